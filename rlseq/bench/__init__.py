@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m rlseq.bench {kernels,envs,train}``. Speed targets live here, never in unit tests."""

@@ -1,0 +1,31 @@
+"""``python -m rlseq.bench SUITE [options]``: each suite is a module with ``add_arguments`` and ``main``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+SUITES = {
+    "kernels": ("rlseq.bench.kernels", "chunk_rule fwd+bwd and step_rule per backend at RL shapes"),
+    "envs": ("rlseq.bench.envs", "procgen vector env steps/s with and without the scale wrappers"),
+    "train": ("rlseq.bench.train", "end-to-end env-steps/s of training per memory"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m rlseq.bench", description=__doc__)
+    sub = parser.add_subparsers(dest="suite", required=True, metavar="SUITE")
+    for name, (module, help_text) in SUITES.items():
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            continue  # a suite that is not written yet is simply not offered
+        mod.add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+    args = parser.parse_args(argv)
+    importlib.import_module(SUITES[args.suite][0]).main(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""Timing helpers: warm-up, then the median of many repeats; CUDA events on the GPU."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+
+def median_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, repeats: int = 20) -> float:
+    """Median wall time of ``fn()`` in milliseconds, after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def describe_environment(device: torch.device) -> str:
+    """One line naming the device and the versions that produced a table."""
+    import platform
+
+    parts = [f"torch {torch.__version__}"]
+    try:
+        import triton
+
+        parts.append(f"triton {triton.__version__}")
+    except ImportError:
+        pass
+    if device.type == "cuda":
+        where = torch.cuda.get_device_name(device)
+    else:
+        import os
+
+        where = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+    return f"device: {where}; python {platform.python_version()}; " + ", ".join(parts)

@@ -1,0 +1,180 @@
+"""Public entry points: :func:`chunk_rule` for whole sequences and :func:`step_rule` for acting."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from rlseq.kernels.chunk import chunk_torch, step_torch
+from rlseq.kernels.naive import naive_rule, naive_step
+from rlseq.kernels.rules import check_rule
+
+BACKENDS = ("reference", "torch", "triton")
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def triton_available(device: torch.device) -> bool:
+    """Whether the Triton backend can run on ``device``: CUDA with triton installed, or any device under
+    ``TRITON_INTERPRET=1`` (the interpreter runs kernels on CPU tensors)."""
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import rlseq.kernels.triton_ops  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pick_backend(backend: str | None, device: torch.device) -> str:
+    if backend is None:
+        return "triton" if device.type == "cuda" and triton_available(device) else "torch"
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid backends: {', '.join(BACKENDS)} (or None for the best available)")
+    if backend == "triton" and not triton_available(device):
+        raise RuntimeError(
+            "backend 'triton' is not available here: it needs the `triton` package and CUDA tensors "
+            f"(got device {device}), or TRITON_INTERPRET=1 set before triton is imported to run it on the CPU. "
+            "Use backend='torch' on the CPU."
+        )
+    return backend
+
+
+def _check_dtypes_devices(named: dict[str, torch.Tensor]) -> None:
+    first_name, first = next(iter(named.items()))
+    if first.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"{first_name} must be a floating tensor ({', '.join(map(str, FLOAT_DTYPES))}), got {first.dtype}")
+    for name, x in named.items():
+        if x.dtype != first.dtype:
+            raise ValueError(f"{name} has dtype {x.dtype}, but {first_name} has {first.dtype}: q, k, v and beta must share a dtype")
+        if x.device != first.device:
+            raise ValueError(f"{name} is on {x.device}, but {first_name} is on {first.device}: all inputs must share a device")
+
+
+def _check_state(name: str, state: torch.Tensor, shape: tuple[int, ...], ref: torch.Tensor) -> None:
+    if tuple(state.shape) != shape:
+        raise ValueError(f"{name} must have shape [B, H, K, V] = {list(shape)}, got {list(state.shape)}")
+    if state.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"{name} must be float32 (or float64), got {state.dtype}")
+    if state.device != ref.device:
+        raise ValueError(f"{name} is on {state.device}, but q is on {ref.device}")
+
+
+def _check_resets(resets: torch.Tensor, shape: tuple[int, ...], ref: torch.Tensor) -> None:
+    if tuple(resets.shape) != shape or resets.dtype != torch.bool:
+        raise ValueError(f"resets must be a bool tensor of shape {list(shape)}, got {resets.dtype} {list(resets.shape)}")
+    if resets.device != ref.device:
+        raise ValueError(f"resets is on {resets.device}, but q is on {ref.device}")
+
+
+def chunk_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    rule: str,
+    initial_state: torch.Tensor | None = None,
+    resets: torch.Tensor | None = None,
+    backend: str | None = None,
+    chunk_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run a delta rule over whole sequences.
+
+    Args:
+        q, k: ``[B, T, H, K]`` queries and keys. Keys are used as given (EFLA wants them raw;
+            DeltaNet callers normalise them). Queries are not scaled.
+        v: ``[B, T, H, V]`` values.
+        beta: ``[B, T, H]``, any value ``≥ 0``: DeltaNet's step size, EFLA's step length.
+        rule: ``"efla"`` or ``"deltanet"``.
+        initial_state: ``[B, H, K, V]`` float32/float64 state entering step 0, or None for zeros.
+        resets: ``[B, T]`` bool; True at t means an episode starts at t: the state before step t is zero
+            (at t = 0 ``initial_state`` is ignored for that sequence).
+        backend: ``"reference"`` (the float64-capable step loop, the oracle), ``"torch"`` (chunked, the
+            CPU default), ``"triton"`` (the CUDA default), or None for the best available.
+        chunk_size: chunk length of the ``"torch"`` backend (default 64).
+
+    Returns:
+        ``o [B, T, H, V]`` in the input dtype, with ``o_t = S_tᵀ q_t`` after the update at t, and the final
+        state ``[B, H, K, V]`` in float32 (float64 for float64 inputs). Differentiable with respect to
+        q, k, v, beta and initial_state on every backend.
+    """
+    check_rule(rule)
+    _check_dtypes_devices({"q": q, "k": k, "v": v, "beta": beta})
+    if q.dim() != 4 or k.shape != q.shape:
+        raise ValueError(f"q and k must both have shape [B, T, H, K]; got q {list(q.shape)}, k {list(k.shape)}")
+    B, T, H, K = q.shape
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {list(v.shape)}")
+    if tuple(beta.shape) != (B, T, H):
+        raise ValueError(f"beta must have shape [B, T, H] = {[B, T, H]}, got {list(beta.shape)}")
+    if T == 0:
+        raise ValueError("sequences must have at least one step (T >= 1)")
+    V = v.shape[-1]
+    if initial_state is not None:
+        _check_state("initial_state", initial_state, (B, H, K, V), q)
+    if resets is not None:
+        _check_resets(resets, (B, T), q)
+    backend = _pick_backend(backend, q.device)
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+    if backend == "reference":
+        o, s = naive_rule(q, k, v, beta, rule=rule, initial_state=initial_state, resets=resets)
+    elif backend == "torch":
+        o, s = chunk_torch(q, k, v, beta, rule=rule, initial_state=initial_state, resets=resets, chunk_size=chunk_size or 64)
+    else:
+        from rlseq.kernels.triton_ops import chunk_triton
+
+        return chunk_triton(q, k, v, beta, rule=rule, initial_state=initial_state, resets=resets)
+    return o.to(q.dtype), s
+
+
+def step_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    *,
+    rule: str,
+    resets: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """One step of a delta rule for acting; updates ``state`` in place.
+
+    Args:
+        q, k: ``[B, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``.
+        state: ``[B, H, K, V]`` float32 (or float64), updated in place.
+        resets: ``[B]`` bool; True zeroes that state before the step.
+
+    Returns:
+        ``o [B, H, V]`` in the dtype of q, read out after the update. Matches :func:`chunk_rule` applied
+        one step at a time.
+    """
+    check_rule(rule)
+    _check_dtypes_devices({"q": q, "k": k, "v": v, "beta": beta})
+    if q.dim() != 3 or k.shape != q.shape:
+        raise ValueError(f"q and k must both have shape [B, H, K]; got q {list(q.shape)}, k {list(k.shape)}")
+    B, H, K = q.shape
+    if v.dim() != 3 or tuple(v.shape[:2]) != (B, H):
+        raise ValueError(f"v must have shape [B, H, V] = [{B}, {H}, V], got {list(v.shape)}")
+    if tuple(beta.shape) != (B, H):
+        raise ValueError(f"beta must have shape [B, H] = {[B, H]}, got {list(beta.shape)}")
+    _check_state("state", state, (B, H, K, v.shape[-1]), q)
+    if resets is not None:
+        _check_resets(resets, (B,), q)
+    backend = _pick_backend(backend, q.device)
+
+    if backend == "reference":
+        if resets is not None:
+            state.masked_fill_(resets.view(B, 1, 1, 1), 0.0)
+        dt = state.dtype
+        o, new = naive_step(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), state, rule)
+        state.copy_(new)
+        return o.to(q.dtype)
+    if backend == "torch":
+        return step_torch(q, k, v, beta, state, rule=rule, resets=resets)
+    from rlseq.kernels.triton_ops import step_triton
+
+    return step_triton(q, k, v, beta, state, rule=rule, resets=resets)

@@ -1,0 +1,281 @@
+"""The torch backend and the API against the float64 step-by-step oracle."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rlseq.kernels import chunk_rule, naive_rule, phi, step_rule, unit_key_form
+from tests.helpers import random_inputs, rel_err
+
+RULES = ("efla", "deltanet")
+FIELDS = ("q", "k", "v", "beta", "initial_state")
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _call(inp, rule, backend, **kw):
+    return chunk_rule(
+        inp["q"], inp["k"], inp["v"], inp["beta"], rule=rule,
+        initial_state=inp["initial_state"], resets=inp["resets"], backend=backend, **kw,
+    )
+
+
+# --- the rules themselves -----------------------------------------------------------------------------
+
+
+def test_phi_matches_high_precision_series_and_has_exact_gradient():
+    x = torch.cat([torch.zeros(1), torch.logspace(-8, 3, 400)]).double()
+    # the alternating series converges fast and cancels little for x < 2; expm1 is exact to rounding above
+    def series(xi: float) -> float:
+        total, term = 0.0, 1.0
+        for n in range(60):
+            total, term = total + term, -term * xi / (n + 2)
+        return total
+
+    ref = torch.tensor([series(xi) if xi < 2 else -math.expm1(-xi) / xi for xi in x.tolist()], dtype=torch.float64)
+    assert torch.allclose(phi(x), ref, rtol=1e-14, atol=0)
+    assert phi(torch.zeros(1, dtype=torch.float64)).item() == 1.0
+    xg = x.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(phi(xg).sum(), xg)
+    # φ'(x) = (e^{-x}(1+x) - 1)/x², -1/2 at 0; evaluate it where the closed form is well conditioned
+    big = x > 1.0
+    closed = (torch.exp(-x) * (1 + x) - 1) / x**2
+    assert torch.allclose(grad[big], closed[big], rtol=1e-12)
+    assert abs(grad[0].item() + 0.5) < 1e-15
+    assert torch.isfinite(grad).all()
+    # float32: the gradient stays accurate through the switch (no cancellation near x = 0.1)
+    xf = torch.linspace(0.05, 0.2, 31, requires_grad=True)
+    (gf,) = torch.autograd.grad(phi(xf).sum(), xf)
+    xd = xf.detach().double().requires_grad_()
+    (gd,) = torch.autograd.grad(phi(xd).sum(), xd)
+    assert torch.allclose(gf.double(), gd, rtol=2e-6)
+
+
+@pytest.mark.parametrize("norm", [0.0, 1e-4, 1.0, 1e4, 1e6])
+def test_unit_key_form_reproduces_the_raw_efla_step(norm):
+    g = _gen(1)
+    k = F.normalize(torch.randn(5, 16, generator=g, dtype=torch.float64), dim=-1) * norm
+    v = torch.randn(5, 8, generator=g, dtype=torch.float64)
+    beta = 3 * torch.rand(5, generator=g, dtype=torch.float64)
+    S = torch.randn(5, 16, 8, generator=g, dtype=torch.float64)
+    lam = (k * k).sum(-1)
+    alpha = torch.where(lam > 0, -torch.expm1(-beta * lam) / lam.clamp_min(1e-300), beta)
+    raw = S + alpha[:, None, None] * k[:, :, None] * (v - torch.einsum("bkv,bk->bv", S, k))[:, None, :]
+    kh, gate, w = unit_key_form(k, v, beta, "efla")
+    unit = S + kh[:, :, None] * (w - gate[:, None] * torch.einsum("bkv,bk->bv", S, kh))[:, None, :]
+    assert torch.allclose(unit, raw, rtol=1e-12, atol=1e-12 * S.abs().max().item())
+    assert ((gate >= 0) & (gate <= 1)).all()  # < 1 in exact arithmetic; rounds to 1 for huge βλ
+
+
+# --- the oracle -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_reference_gradcheck(rule):
+    inp = random_inputs(2, 6, 2, 3, 4, rule=rule, key_norms=(0.1, 3.0), generator=_gen(2))
+    inp["resets"][1, 3] = True
+    args = [inp[n].clone().requires_grad_() for n in FIELDS]
+
+    def f(q, k, v, beta, s0):
+        return naive_rule(q, k, v, beta, rule=rule, initial_state=s0, resets=inp["resets"])
+
+    assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_reference_resets_equal_separate_episodes(rule):
+    """A reset at t must give the same outputs as starting a fresh sequence at t from zeros."""
+    inp = random_inputs(1, 12, 2, 4, 3, rule=rule, generator=_gen(3))
+    resets = torch.zeros(1, 12, dtype=torch.bool)
+    resets[0, 5] = True
+    o, s = naive_rule(inp["q"], inp["k"], inp["v"], inp["beta"], rule=rule, initial_state=inp["initial_state"], resets=resets)
+    o1, _ = naive_rule(*(inp[n][:, :5] for n in ("q", "k", "v", "beta")), rule=rule, initial_state=inp["initial_state"])
+    o2, s2 = naive_rule(*(inp[n][:, 5:] for n in ("q", "k", "v", "beta")), rule=rule)
+    assert torch.allclose(o, torch.cat([o1, o2], 1), atol=1e-12)
+    assert torch.allclose(s, s2, atol=1e-12)
+
+
+# --- the torch backend against the oracle --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("K,V", [(16, 16), (32, 8), (64, 48)])
+@pytest.mark.parametrize("T,chunk", [(37, 16), (64, 16), (100, 64), (5, 64)])
+def test_torch_matches_reference_float64(rule, K, V, T, chunk):
+    inp = random_inputs(3, T, 2, K, V, rule=rule, generator=_gen(hash((rule, K, V, T)) % 2**31))
+    o_ref, s_ref = _call(inp, rule, "reference")
+    o, s = _call(inp, rule, "torch", chunk_size=chunk)
+    assert rel_err(o, o_ref) < 1e-10
+    assert rel_err(s, s_ref) < 1e-10
+    assert s.dtype == torch.float64
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_torch_float32_and_bf16_against_float64_oracle(rule):
+    inp = random_inputs(4, 70, 4, 32, 32, rule=rule, generator=_gen(5))
+    o_ref, s_ref = _call(inp, rule, "reference")
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
+        low = {n: (x.to(dtype) if x.is_floating_point() and n != "initial_state" else x) for n, x in inp.items()}
+        low["initial_state"] = inp["initial_state"].float()
+        o, s = _call(low, rule, "torch", chunk_size=32)
+        assert o.dtype == dtype and s.dtype == torch.float32
+        # bf16 rounding of the inputs alone moves the answer; compare against the oracle on those rounded inputs
+        ref_in = {n: (x.double() if x.is_floating_point() else x) for n, x in low.items()}
+        o_ref_low, s_ref_low = _call(ref_in, rule, "reference")
+        assert rel_err(o, o_ref_low) < tol
+        assert rel_err(s, s_ref_low) < tol
+    assert rel_err(_call({**inp}, rule, "torch")[0], o_ref) < 1e-10
+
+
+def test_zero_keys_and_zero_beta_leave_the_state_alone():
+    for rule in RULES:
+        inp = random_inputs(2, 20, 2, 16, 8, rule=rule, generator=_gen(6))
+        inp["k"][:, 3:9] = 0.0
+        inp["beta"][:, 12:15] = 0.0
+        inp["resets"][:] = False
+        o_ref, s_ref = _call(inp, rule, "reference")
+        o, s = _call(inp, rule, "torch", chunk_size=8)
+        assert rel_err(o, o_ref) < 1e-10 and rel_err(s, s_ref) < 1e-10
+        # with no keys and no steps at all the state passes through unchanged
+        inp["beta"][:] = 0.0
+        _, s0 = _call(inp, rule, "torch", chunk_size=8)
+        assert torch.equal(s0, inp["initial_state"])
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_large_beta(rule):
+    inp = random_inputs(2, 33, 2, 16, 16, rule=rule, beta_max=50.0 if rule == "efla" else 1.9, generator=_gen(7))
+    o_ref, s_ref = _call(inp, rule, "reference")
+    o, s = _call(inp, rule, "torch", chunk_size=16)
+    assert rel_err(o, o_ref) < 1e-9 and rel_err(s, s_ref) < 1e-9
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_torch_gradients_match_reference(rule):
+    inp = random_inputs(2, 29, 2, 16, 12, rule=rule, generator=_gen(8))
+    grads = {}
+    for backend in ("reference", "torch"):
+        leaves = {n: inp[n].clone().requires_grad_() for n in FIELDS}
+        o, s = chunk_rule(leaves["q"], leaves["k"], leaves["v"], leaves["beta"], rule=rule,
+                          initial_state=leaves["initial_state"], resets=inp["resets"], backend=backend, chunk_size=8)
+        go = torch.randn_like(o, generator=_gen(9)) if False else torch.randn(o.shape, generator=_gen(9), dtype=o.dtype)
+        gs = torch.randn(s.shape, generator=_gen(10), dtype=s.dtype)
+        grads[backend] = torch.autograd.grad((o * go).sum() + (s * gs).sum(), [leaves[n] for n in FIELDS])
+    for name, g_ref, g in zip(FIELDS, grads["reference"], grads["torch"]):
+        assert torch.isfinite(g).all(), name
+        assert rel_err(g, g_ref) < 1e-9, name
+
+
+def test_efla_gradients_at_exactly_zero_keys_are_finite_and_right():
+    inp = random_inputs(1, 10, 1, 8, 4, rule="efla", generator=_gen(11))
+    inp["k"][:, 2] = 0.0
+    grads = {}
+    for backend in ("reference", "torch"):
+        k = inp["k"].clone().requires_grad_()
+        o, _ = chunk_rule(inp["q"], k, inp["v"], inp["beta"], rule="efla", initial_state=inp["initial_state"],
+                          resets=inp["resets"], backend=backend, chunk_size=4)
+        (grads[backend],) = torch.autograd.grad(o.sum(), k)
+    assert grads["reference"][:, 2].abs().max() > 1e-3  # a zero key still has a gradient: β v enters linearly
+    assert rel_err(grads["torch"], grads["reference"]) < 1e-9
+
+
+# --- step_rule ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+def test_step_rule_T_times_equals_chunk_rule(rule, backend):
+    inp = random_inputs(3, 21, 2, 16, 8, rule=rule, generator=_gen(12))
+    o_ref, s_ref = _call(inp, rule, "reference")
+    state = inp["initial_state"].clone()
+    outs = []
+    for t in range(21):
+        outs.append(step_rule(inp["q"][:, t], inp["k"][:, t], inp["v"][:, t], inp["beta"][:, t], state,
+                              rule=rule, resets=inp["resets"][:, t], backend=backend))
+    assert rel_err(torch.stack(outs, 1), o_ref) < 1e-10
+    assert rel_err(state, s_ref) < 1e-10
+
+
+def test_step_rule_float32_state_with_bf16_inputs():
+    inp = random_inputs(2, 6, 2, 16, 16, rule="efla", generator=_gen(13))
+    state = inp["initial_state"].float()
+    o = step_rule(*(inp[n][:, 0].bfloat16() for n in ("q", "k", "v", "beta")), state, rule="efla")
+    assert o.dtype == torch.bfloat16 and state.dtype == torch.float32 and torch.isfinite(o).all()
+
+
+# --- stability under extreme key scales -----------------------------------------------------------------
+
+
+def test_efla_stays_bounded_where_deltanet_with_raw_keys_diverges():
+    g = _gen(14)
+    B, T, H, K, V = 1, 4096, 2, 16, 16
+    q = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
+    k = 1e6 * torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    beta = torch.rand(B, T, H, generator=g, dtype=torch.float64)
+    norms = k.norm(dim=-1)
+    # efla.md §2: per step ‖S_t‖_F ≤ ‖S_{t-1}‖_F + c_t ‖v_t‖/‖k_t‖, and c/‖k‖ ≤ 0.6382 √β for every key norm
+    gate = -torch.expm1(-beta * norms**2)
+    tight = (gate * v.norm(dim=-1) / norms).cumsum(1)  # [B, T, H]
+    loose = (0.6382 * beta.sqrt() * v.norm(dim=-1)).cumsum(1)
+    for backend, dtype in (("reference", torch.float64), ("torch", torch.float64), ("torch", torch.float32)):
+        o, s = chunk_rule(q.to(dtype), k.to(dtype), v.to(dtype), beta.to(dtype), rule="efla", backend=backend)
+        assert torch.isfinite(o).all() and torch.isfinite(s).all()
+        s_norm = s.double().flatten(2).norm(dim=-1)  # [B, H]
+        assert (s_norm <= tight[:, -1] * (1 + 1e-4)).all()
+        assert (s_norm <= loose[:, -1]).all()
+        # and the bound holds along the way, not only at the end (read the state after 1000 steps too)
+        _, s_mid = chunk_rule(q[:, :1000].to(dtype), k[:, :1000].to(dtype), v[:, :1000].to(dtype),
+                              beta[:, :1000].to(dtype), rule="efla", backend=backend)
+        assert (s_mid.double().flatten(2).norm(dim=-1) <= tight[:, 999] * (1 + 1e-4)).all()
+    # the same inputs blow DeltaNet's Euler step up: the stress is real
+    for backend in ("reference", "torch"):
+        o, s = chunk_rule(q, k, v, beta, rule="deltanet", backend=backend)
+        assert not torch.isfinite(s).all() or s.abs().max() > 1e30
+
+
+# --- errors ---------------------------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_clear_errors():
+    inp = random_inputs(2, 8, 2, 16, 8, rule="efla", dtype=torch.float32, generator=_gen(15))
+    q, k, v, beta = (inp[n] for n in ("q", "k", "v", "beta"))
+    with pytest.raises(ValueError, match="valid rules: efla, deltanet"):
+        chunk_rule(q, k, v, beta, rule="mamba")
+    with pytest.raises(ValueError, match="valid backends: reference, torch, triton"):
+        chunk_rule(q, k, v, beta, rule="efla", backend="cuda")
+    with pytest.raises(ValueError, match=r"beta must have shape \[B, T, H\] = \[2, 8, 2\]"):
+        chunk_rule(q, k, v, beta[..., :1], rule="efla")
+    with pytest.raises(ValueError, match=r"v must have shape \[B, T, H, V\]"):
+        chunk_rule(q, k, v[:, :4], beta, rule="efla")
+    with pytest.raises(ValueError, match=r"q and k must both have shape"):
+        chunk_rule(q, k[..., :8], v, beta, rule="efla")
+    with pytest.raises(ValueError, match="share a dtype"):
+        chunk_rule(q, k.double(), v, beta, rule="efla")
+    with pytest.raises(ValueError, match=r"initial_state must have shape \[B, H, K, V\] = \[2, 2, 16, 8\]"):
+        chunk_rule(q, k, v, beta, rule="efla", initial_state=torch.randn(2, 2, 8, 16))
+    with pytest.raises(ValueError, match=r"resets must be a bool tensor of shape \[2, 8\]"):
+        chunk_rule(q, k, v, beta, rule="efla", resets=torch.ones(2, 8))
+    with pytest.raises(ValueError, match="floating"):
+        chunk_rule(*(x.long() for x in (q, k, v, beta)), rule="efla")
+    state = torch.randn(2, 2, 16, 8)
+    with pytest.raises(ValueError, match=r"state must have shape \[B, H, K, V\] = \[2, 2, 16, 8\]"):
+        step_rule(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], state[:1], rule="efla")
+    with pytest.raises(ValueError, match=r"resets must be a bool tensor of shape \[2\]"):
+        step_rule(q[:, 0], k[:, 0], v[:, 0], beta[:, 0], state, rule="efla", resets=torch.ones(2, dtype=torch.bool)[:1])
+
+
+def test_triton_backend_is_recognised_with_a_clear_error_when_unavailable(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    inp = random_inputs(1, 4, 1, 16, 16, rule="efla", dtype=torch.float32, generator=_gen(16))
+    with pytest.raises(RuntimeError, match="backend 'triton' is not available"):
+        chunk_rule(inp["q"], inp["k"], inp["v"], inp["beta"], rule="efla", backend="triton")
+    # None picks the torch backend on the CPU
+    o, _ = chunk_rule(inp["q"], inp["k"], inp["v"], inp["beta"], rule="efla")
+    assert torch.isfinite(o).all() and not math.isnan(o.sum().item())
