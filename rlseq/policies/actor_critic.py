@@ -1,0 +1,244 @@
+"""The actor-critic that rlseq's own PPO trains: features → memory → policy and value heads.
+
+One network, shared by actor and critic as in the Procgen paper's IMPALA agent. Only the memory differs
+between `efla`, `deltanet`, `lstm` and `none`, so comparisons isolate the memory.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import numpy as np
+import torch
+from gymnasium import spaces
+from stable_baselines3.common.distributions import Distribution, make_proba_distribution
+from stable_baselines3.common.policies import BasePolicy
+from stable_baselines3.common.preprocessing import is_image_space, preprocess_obs
+from stable_baselines3.common.torch_layers import BaseFeaturesExtractor, FlattenExtractor
+from stable_baselines3.common.type_aliases import PyTorchObs, Schedule
+from torch import nn
+
+from rlseq.policies.memory import Memory, make_memory
+
+
+def default_features_extractor(observation_space: spaces.Space) -> type[BaseFeaturesExtractor]:
+    """IMPALA CNN for images, the image+vector extractor for ``Dict`` observations, flatten otherwise."""
+    if isinstance(observation_space, spaces.Dict):
+        from rlseq.policies.extractors import ImpalaCombinedExtractor
+
+        return ImpalaCombinedExtractor
+    if is_image_space(observation_space, check_channels=False):
+        from rlseq.policies.extractors import ImpalaCNN
+
+        return ImpalaCNN
+    return FlattenExtractor
+
+
+def _mlp(in_dim: int, sizes: list[int], activation: type[nn.Module]) -> tuple[nn.Module, int]:
+    layers: list[nn.Module] = []
+    for size in sizes:
+        layers += [nn.Linear(in_dim, size), activation()]
+        in_dim = size
+    return nn.Sequential(*layers), in_dim
+
+
+class MemoryPPOPolicy(BasePolicy):
+    """Actor-critic with a sequence memory between the features extractor and the heads.
+
+    Data flow per step: ``obs → features_extractor → memory → (net_arch MLP) → action distribution, value``.
+
+    :param observation_space: gymnasium observation space (images are channel-first after SB3's
+        ``VecTransposeImage``; ``Dict`` spaces go through the image+vector extractor).
+    :param action_space: any action space SB3's distributions support.
+    :param lr_schedule: learning-rate schedule (SB3 convention).
+    :param memory: ``"efla"``, ``"deltanet"``, ``"lstm"`` or ``"none"``.
+    :param memory_kwargs: passed to the memory class (e.g. ``n_heads``, ``head_dim``).
+    :param net_arch: hidden layer sizes of the MLP between the memory and both heads (shared); empty by
+        default, as in the Procgen paper where the heads read the 256 features directly.
+    :param features_extractor_class: default chosen from the observation space
+        (:func:`default_features_extractor`).
+    :param ortho_init: SB3's orthogonal initialisation of the heads (gain 0.01 policy, 1 value).
+
+    The recurrent state is one tensor per batch of environments, ``[n_envs, ...]`` (see
+    :meth:`initial_state`); ``predict`` takes and returns it as a NumPy array.
+    """
+
+    def __init__(
+        self,
+        observation_space: spaces.Space,
+        action_space: spaces.Space,
+        lr_schedule: Schedule,
+        memory: str = "efla",
+        memory_kwargs: dict[str, Any] | None = None,
+        net_arch: list[int] | None = None,
+        activation_fn: type[nn.Module] = nn.ReLU,
+        ortho_init: bool = True,
+        use_sde: bool = False,
+        features_extractor_class: type[BaseFeaturesExtractor] | None = None,
+        features_extractor_kwargs: dict[str, Any] | None = None,
+        normalize_images: bool = True,
+        optimizer_class: type[torch.optim.Optimizer] = torch.optim.Adam,
+        optimizer_kwargs: dict[str, Any] | None = None,
+    ):
+        if use_sde:
+            raise ValueError("gSDE is not supported by MemoryPPOPolicy")
+        if optimizer_kwargs is None:
+            optimizer_kwargs = {"eps": 1e-5} if optimizer_class is torch.optim.Adam else {}
+        super().__init__(
+            observation_space,
+            action_space,
+            features_extractor_class or default_features_extractor(observation_space),
+            features_extractor_kwargs or {},
+            normalize_images=normalize_images,
+            optimizer_class=optimizer_class,
+            optimizer_kwargs=optimizer_kwargs,
+        )
+        self.memory_name = memory
+        self.memory_kwargs = dict(memory_kwargs or {})
+        self.net_arch = list(net_arch or [])
+        self.activation_fn = activation_fn
+        self.ortho_init = ortho_init
+
+        self.features_extractor = self.make_features_extractor()
+        self.memory: Memory = make_memory(memory, self.features_extractor.features_dim, **self.memory_kwargs)
+        self.trunk, latent_dim = _mlp(self.memory.out_features, self.net_arch, activation_fn)
+        self.action_dist: Distribution = make_proba_distribution(action_space)
+        self.action_net = self.action_dist.proba_distribution_net(latent_dim=latent_dim)
+        if isinstance(self.action_net, tuple):  # Gaussian: (mean net, log_std parameter)
+            self.action_net, self.log_std = self.action_net
+        self.value_net = nn.Linear(latent_dim, 1)
+        if ortho_init:
+            for module, gain in ((self.trunk, np.sqrt(2)), (self.action_net, 0.01), (self.value_net, 1.0)):
+                module.apply(partial(self.init_weights, gain=gain))
+        self.optimizer = self.optimizer_class(self.parameters(), lr=lr_schedule(1), **self.optimizer_kwargs)
+
+    def _get_constructor_parameters(self) -> dict[str, Any]:
+        data = super()._get_constructor_parameters()
+        data.update(
+            memory=self.memory_name,
+            memory_kwargs=self.memory_kwargs,
+            net_arch=self.net_arch,
+            activation_fn=self.activation_fn,
+            ortho_init=self.ortho_init,
+            features_extractor_class=self.features_extractor_class,
+            features_extractor_kwargs=self.features_extractor_kwargs,
+            normalize_images=self.normalize_images,
+            optimizer_class=self.optimizer_class,
+            optimizer_kwargs=self.optimizer_kwargs,
+            lr_schedule=self._dummy_schedule,
+        )
+        return data
+
+    # --- state ----------------------------------------------------------------------------------------
+
+    def initial_state(self, n_envs: int) -> torch.Tensor:
+        """Zero memory state for ``n_envs`` environments, ``[n_envs, ...]`` on the policy's device."""
+        return self.memory.initial_state(n_envs, self.device)
+
+    # --- pieces -----------------------------------------------------------------------------------------
+
+    def features(self, obs: PyTorchObs) -> torch.Tensor:
+        """``obs [N, ...]`` → features ``[N, F]``."""
+        return self.features_extractor(preprocess_obs(obs, self.observation_space, normalize_images=self.normalize_images))
+
+    def _heads(self, memory_out: torch.Tensor) -> tuple[Distribution, torch.Tensor]:
+        latent = self.trunk(memory_out)
+        mean_actions = self.action_net(latent)
+        if hasattr(self, "log_std"):
+            dist = self.action_dist.proba_distribution(mean_actions, self.log_std)
+        else:
+            dist = self.action_dist.proba_distribution(action_logits=mean_actions)
+        return dist, self.value_net(latent).squeeze(-1)
+
+    # --- acting: one step, state updated in place -------------------------------------------------------
+
+    def forward(
+        self, obs: PyTorchObs, state: torch.Tensor, episode_starts: torch.Tensor, deterministic: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One acting step for ``n_envs`` environments.
+
+        ``episode_starts [n_envs]`` bool zeroes the memory of the environments whose episode starts now.
+        Returns ``(actions, values [n_envs], log_probs [n_envs])`` and updates ``state`` in place.
+        """
+        dist, values = self._heads(self.memory.step(self.features(obs), state, episode_starts))
+        actions = dist.get_actions(deterministic=deterministic)
+        return actions, values, dist.log_prob(actions)
+
+    def evaluate_step(
+        self, obs: PyTorchObs, actions: torch.Tensor, state: torch.Tensor, episode_starts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Step-by-step evaluation of given actions: ``(values, log_prob, entropy)``, each ``[n_envs]``;
+        updates ``state`` in place. Used to check the sequence path."""
+        dist, values = self._heads(self.memory.step(self.features(obs), state, episode_starts))
+        return values, dist.log_prob(actions), dist.entropy()
+
+    @torch.no_grad()
+    def predict_values(self, obs: PyTorchObs, state: torch.Tensor, episode_starts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Values ``[n]`` of ``obs`` for states that follow ``state``; ``state`` itself is left unchanged."""
+        _, values = self._heads(self.memory.step(self.features(obs), state.clone(), episode_starts))
+        return values
+
+    # --- training: whole sequences, one memory call ----------------------------------------------------
+
+    def evaluate_sequences(
+        self, obs: PyTorchObs, actions: torch.Tensor, initial_state: torch.Tensor, resets: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Evaluate actions over whole sequences.
+
+        ``obs``: ``[B, T, ...]`` (or a dict of those), ``actions [B, T, ...]``, ``initial_state [B, ...]``
+        (the state entering step 0), ``resets [B, T]`` bool (episode starts) → ``(values, log_prob,
+        entropy)``, each ``[B, T]``.
+        """
+        B, T = resets.shape
+        flat = {k: v.flatten(0, 1) for k, v in obs.items()} if isinstance(obs, dict) else obs.flatten(0, 1)
+        x = self.features(flat).view(B, T, -1)
+        y, _ = self.memory(x, initial_state, resets)
+        dist, values = self._heads(y.flatten(0, 1))
+        flat_actions = actions.flatten(0, 1)
+        if isinstance(self.action_space, spaces.Discrete):
+            flat_actions = flat_actions.long().flatten()
+        entropy = dist.entropy()
+        return values.view(B, T), dist.log_prob(flat_actions).view(B, T), None if entropy is None else entropy.view(B, T)
+
+    @torch.no_grad()
+    def memory_diagnostics(self, obs: PyTorchObs, initial_state: torch.Tensor, resets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The memory's diagnostics (key norms, gates, state norms) over sequences ``obs [B, T, ...]``."""
+        B, T = resets.shape
+        flat = {k: v.flatten(0, 1) for k, v in obs.items()} if isinstance(obs, dict) else obs.flatten(0, 1)
+        return self.memory.diagnostics(self.features(flat).view(B, T, -1), initial_state, resets)
+
+    # --- SB3 predict with a recurrent state -----------------------------------------------------------
+
+    def _predict(self, observation: PyTorchObs, deterministic: bool = False) -> torch.Tensor:
+        raise NotImplementedError("a memory policy needs its state: call predict(obs, state, episode_start)")
+
+    def predict(  # type: ignore[override]
+        self,
+        observation: np.ndarray | dict[str, np.ndarray],
+        state: np.ndarray | None = None,
+        episode_start: np.ndarray | None = None,
+        deterministic: bool = False,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """SB3-style prediction: ``(actions, next_state)``. ``state`` is what the previous call returned
+        (None: a fresh memory); ``episode_start [n_envs]`` marks environments whose episode starts now."""
+        self.set_training_mode(False)
+        obs_tensor, vectorized = self.obs_to_tensor(observation)
+        n_envs = (next(iter(obs_tensor.values())) if isinstance(obs_tensor, dict) else obs_tensor).shape[0]
+        if state is None:
+            state_t = self.initial_state(n_envs)
+        else:
+            state_t = torch.as_tensor(np.asarray(state), device=self.device, dtype=torch.float32).clone()
+            expected = tuple(self.initial_state(n_envs).shape)
+            if tuple(state_t.shape) != expected:
+                raise ValueError(f"state must have shape {list(expected)} for {n_envs} environments, got {list(state_t.shape)}")
+        starts = torch.zeros(n_envs, dtype=torch.bool, device=self.device) if episode_start is None else \
+            torch.as_tensor(np.asarray(episode_start), device=self.device).bool().reshape(n_envs)
+        with torch.no_grad():
+            actions, _, _ = self.forward(obs_tensor, state_t, starts, deterministic=deterministic)
+        actions_np = actions.cpu().numpy()
+        if isinstance(self.action_space, spaces.Box):
+            actions_np = np.clip(actions_np, self.action_space.low, self.action_space.high)
+        if not vectorized:
+            actions_np = actions_np.squeeze(axis=0)
+        return actions_np, state_t.cpu().numpy()
