@@ -1,0 +1,58 @@
+"""Environments for rlseq: procgen as a native SB3 VecEnv, and scale wrappers.
+
+* :func:`make_procgen` / :class:`ProcgenVecEnv`: procgen's natively
+  vectorised env as an SB3 ``VecEnv`` (uint8 64x64x3 images, Discrete(15)),
+  with Monitor-style ``info["episode"]`` statistics.
+* :data:`PROCGEN_GAMES`, :data:`PROCGEN_DISTRIBUTION_MODES`: the 16 games and
+  the distribution modes each one supports.
+* :class:`ScaleReward`: rewards x scale.
+* :class:`PotentialValueShift`: value targets + shift, same optimal policy.
+* :class:`PrevActionReward`: Dict observation with previous action/reward.
+* :class:`ScaledReturnLogger`: SB3 callback logging the scaled return.
+
+Importing this package is cheap: the submodules (which import SB3, and in
+turn torch) load on first attribute access, and procgen itself loads only
+when an env is built.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "make_procgen": "procgen",
+    "ProcgenVecEnv": "procgen",
+    "PROCGEN_GAMES": "procgen",
+    "PROCGEN_DISTRIBUTION_MODES": "procgen",
+    "normalize_procgen_name": "procgen",
+    "ScaleReward": "wrappers",
+    "PotentialValueShift": "wrappers",
+    "PrevActionReward": "wrappers",
+    "ScaledReturnLogger": "wrappers",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
+    from .procgen import (
+        PROCGEN_DISTRIBUTION_MODES,
+        PROCGEN_GAMES,
+        ProcgenVecEnv,
+        make_procgen,
+        normalize_procgen_name,
+    )
+    from .wrappers import PotentialValueShift, PrevActionReward, ScaledReturnLogger, ScaleReward
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

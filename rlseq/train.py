@@ -1,0 +1,285 @@
+"""``python -m rlseq.train``: train a memory agent on a procgen game and log it for TensorBoard.
+
+    python -m rlseq.train --env caveflyer --memory efla
+    python -m rlseq.train --env caveflyer --memory deltanet --seed 1 --total-steps 5_000_000
+    python -m rlseq.train --env caveflyer --memory lstm --algo sb3-recurrent-ppo
+
+Runs land in ``<logdir>/<env>/<variant>/seed<N>/`` (``variant`` = memory, ``sb3-`` prefixed for the
+sb3-contrib algorithm, ``-<tag>`` appended), so ``tensorboard --logdir runs/caveflyer`` shows the memories
+side by side under identical tags. Each run folder holds ``config.yaml`` (the resolved hyperparameters),
+TensorBoard event files, ``checkpoints/`` and, when finished, ``final_model.zip``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+MEMORIES = ("efla", "deltanet", "lstm", "none")
+ALGOS = ("rlseq", "sb3-recurrent-ppo")
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "procgen.yml"
+# flag name -> config key, for the flags that override hyperparameters
+FLAG_TO_KEY = {
+    "total_steps": "n_timesteps", "n_envs": "n_envs", "n_steps": "n_steps", "n_minibatches": "n_minibatches",
+    "n_epochs": "n_epochs", "learning_rate": "learning_rate", "reward_scale": "reward_scale",
+    "value_shift": "value_shift", "prev_action_reward": "prev_action_reward", "checkpoint_every": "checkpoint_every",
+    "normalize_reward": "normalize_reward",
+}
+
+
+class UsageError(ValueError):
+    """A bad flag or name, reported before any env or model is built."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m rlseq.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--env", default="caveflyer", help="procgen game, e.g. caveflyer or procgen:caveflyer")
+    p.add_argument("--memory", default="efla", help=f"one of {', '.join(MEMORIES)}")
+    p.add_argument("--algo", default="rlseq", help=f"one of {', '.join(ALGOS)} (rlseq: whole-rollout training, the fast path)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--total-steps", type=float, default=None, help="env steps to train for (config: n_timesteps)")
+    p.add_argument("--n-envs", type=int, default=None)
+    p.add_argument("--n-steps", type=int, default=None, help="steps per env per rollout")
+    p.add_argument("--n-minibatches", type=int, default=None)
+    p.add_argument("--n-epochs", type=int, default=None)
+    p.add_argument("--learning-rate", type=float, default=None)
+    p.add_argument("--distribution-mode", default=None, help="easy, hard, memory, ... (valid modes depend on the game)")
+    p.add_argument("--num-levels", type=int, default=None)
+    p.add_argument("--start-level", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=None, help="procgen worker threads")
+    p.add_argument("--reward-scale", type=float, default=None, help="multiply rewards (ScaleReward)")
+    p.add_argument("--value-shift", "--value-scale", dest="value_shift", type=float, default=None,
+                   help="shift value targets by this much without changing the task (PotentialValueShift)")
+    p.add_argument("--prev-action-reward", action=argparse.BooleanOptionalAction, default=None,
+                   help="feed the previous action and raw reward to the policy (PrevActionReward)")
+    p.add_argument("--normalize-reward", action=argparse.BooleanOptionalAction, default=None,
+                   help="VecNormalize the PPO reward")
+    p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--logdir", default="runs")
+    p.add_argument("--tag", default=None, help="suffix of the run's variant folder, e.g. reward1e3")
+    p.add_argument("--config", default=None, help=f"RL Zoo-style YAML file (default: {DEFAULT_CONFIG.name} of the repo)")
+    p.add_argument("--checkpoint-every", type=float, default=None, help="env steps between atomic checkpoints")
+    p.add_argument("--resume", action="store_true", help="continue the run folder from its latest checkpoint")
+    p.add_argument("--no-progress-bar", action="store_true")
+    p.add_argument("--verbose", type=int, default=0)
+    return p
+
+
+def load_config(path: Path, env: str) -> dict[str, Any]:
+    """The hyperparameters of ``env`` from an RL Zoo-style file (its own key, else the ``procgen`` default)."""
+    if not path.exists():
+        raise UsageError(f"config file {path} does not exist")
+    with open(path) as f:
+        table = yaml.safe_load(f) or {}
+    if env in table:
+        return copy.deepcopy(table[env])
+    if "procgen" in table:
+        return copy.deepcopy(table["procgen"])
+    raise UsageError(f"{path} has no entry for {env!r} and no 'procgen' default; entries: {', '.join(table)}")
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate names and merge config file + flags into one resolved config. Builds nothing."""
+    from rlseq.envs import PROCGEN_DISTRIBUTION_MODES, normalize_procgen_name
+
+    if args.memory not in MEMORIES:
+        raise UsageError(f"unknown memory {args.memory!r}; valid memories: {', '.join(MEMORIES)}")
+    if args.algo not in ALGOS:
+        raise UsageError(f"unknown algo {args.algo!r}; valid algos: {', '.join(ALGOS)}")
+    if args.algo == "sb3-recurrent-ppo" and args.memory == "none":
+        raise UsageError("--algo sb3-recurrent-ppo needs a recurrent memory (efla, deltanet, lstm); "
+                         "use --algo rlseq --memory none for the memoryless control")
+    try:
+        env = normalize_procgen_name(args.env)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    cfg = load_config(Path(args.config) if args.config else DEFAULT_CONFIG, env)
+    for flag, key in FLAG_TO_KEY.items():
+        value = getattr(args, flag)
+        if value is not None:
+            cfg[key] = value
+    for key in ("n_timesteps", "checkpoint_every", "n_envs", "n_steps", "n_minibatches", "n_epochs"):
+        cfg[key] = int(cfg[key])
+    env_kwargs = cfg.setdefault("env_kwargs", {})
+    for key in ("distribution_mode", "num_levels", "start_level", "num_threads"):
+        if getattr(args, key) is not None:
+            env_kwargs[key] = getattr(args, key)
+    mode = env_kwargs.get("distribution_mode", "easy")
+    if mode not in PROCGEN_DISTRIBUTION_MODES[env]:
+        raise UsageError(f"distribution mode {mode!r} is not valid for {env}; valid: {', '.join(PROCGEN_DISTRIBUTION_MODES[env])}")
+    if cfg["n_envs"] < 1 or cfg["n_steps"] < 1 or cfg["n_timesteps"] < 1:
+        raise UsageError("--n-envs, --n-steps and --total-steps must be >= 1")
+    if cfg["n_envs"] % cfg["n_minibatches"]:
+        raise UsageError(f"--n-minibatches {cfg['n_minibatches']} must divide --n-envs {cfg['n_envs']}")
+    if cfg.get("value_shift") and not cfg.get("gamma"):
+        raise UsageError("value_shift needs gamma in the config")
+    memory_kwargs = cfg.pop("memory_kwargs", {}) or {}
+    cfg.update(env=env, memory=args.memory, algo=args.algo, seed=args.seed, tag=args.tag,
+               memory_kwargs=dict(memory_kwargs.get(args.memory, {}) or {}))
+    return cfg
+
+
+def run_dir(logdir: str | Path, cfg: dict[str, Any]) -> Path:
+    variant = cfg["memory"] if cfg["algo"] == "rlseq" else f"sb3-{cfg['memory']}"
+    if cfg.get("tag"):
+        variant += f"-{cfg['tag']}"
+    return Path(logdir) / cfg["env"] / variant / f"seed{cfg['seed']}"
+
+
+def make_env(cfg: dict[str, Any], *, seed: int, n_envs: int | None = None, training: bool = True):
+    """procgen → ScaleReward → PotentialValueShift → PrevActionReward → VecNormalize (rewards only)."""
+    from stable_baselines3.common.vec_env import VecNormalize
+
+    from rlseq.envs import PotentialValueShift, PrevActionReward, ScaleReward, make_procgen
+
+    venv = make_procgen(cfg["env"], n_envs or cfg["n_envs"], seed=seed, **cfg.get("env_kwargs", {}))
+    if cfg.get("reward_scale", 1.0) != 1.0:
+        venv = ScaleReward(venv, cfg["reward_scale"])
+    if cfg.get("value_shift", 0.0):
+        venv = PotentialValueShift(venv, cfg["value_shift"], gamma=cfg["gamma"])
+    if cfg.get("prev_action_reward"):
+        venv = PrevActionReward(venv)
+    if cfg.get("normalize_reward") and training:
+        venv = VecNormalize(venv, norm_obs=False, norm_reward=True, gamma=cfg["gamma"])
+    return venv
+
+
+def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | None = None):
+    """The algorithm and policy named by the config."""
+    common = dict(learning_rate=cfg["learning_rate"], n_steps=cfg["n_steps"], n_epochs=cfg["n_epochs"],
+                  gamma=cfg["gamma"], gae_lambda=cfg["gae_lambda"], ent_coef=cfg["ent_coef"], vf_coef=cfg["vf_coef"],
+                  clip_range=cfg["clip_range"], max_grad_norm=cfg["max_grad_norm"], seed=cfg["seed"], device=device,
+                  verbose=cfg.get("verbose", 0), tensorboard_log=tensorboard_log)
+    policy_kwargs = dict(cfg.get("policy_kwargs") or {})
+    dict_obs = bool(cfg.get("prev_action_reward"))
+    if cfg["algo"] == "rlseq":
+        from rlseq.algos import MemoryPPO
+
+        policy_kwargs.update(memory=cfg["memory"], memory_kwargs=cfg["memory_kwargs"])
+        return MemoryPPO("MultiInputPolicy" if dict_obs else "CnnPolicy", env, n_minibatches=cfg["n_minibatches"],
+                         policy_kwargs=policy_kwargs, **common)
+    from sb3_contrib import RecurrentPPO
+
+    import rlseq.policies as P
+
+    batch_size = cfg["n_envs"] * cfg["n_steps"] // cfg["n_minibatches"]
+    if cfg["memory"] == "lstm":
+        policy = "MultiInputLstmPolicy" if dict_obs else "CnnLstmPolicy"
+        policy_kwargs.update(lstm_hidden_size=cfg["memory_kwargs"].get("hidden_size", 256),
+                             features_extractor_class=P.ImpalaCombinedExtractor if dict_obs else P.ImpalaCNN)
+    else:
+        name = {"efla": "Efla", "deltanet": "DeltaNet"}[cfg["memory"]] + ("MultiInputPolicy" if dict_obs else "CnnPolicy")
+        policy = getattr(P, name)
+        policy_kwargs.update(memory_kwargs=cfg["memory_kwargs"])
+    policy_kwargs.pop("net_arch", None) if not policy_kwargs.get("net_arch") else None
+    return RecurrentPPO(policy, env, batch_size=batch_size, policy_kwargs=policy_kwargs, **common)
+
+
+class ProgressEstimate:
+    """Prints, after the first timed rollout, the measured throughput and the time the run will take."""
+
+    def __init__(self, total: int):
+        from stable_baselines3.common.callbacks import BaseCallback
+
+        outer = self
+
+        class _Callback(BaseCallback):
+            def _on_training_start(self) -> None:
+                outer.t0, outer.n0, outer.done = time.perf_counter(), self.model.num_timesteps, False
+
+            def _on_step(self) -> bool:
+                return True
+
+            def _on_rollout_start(self) -> None:
+                steps = self.model.num_timesteps - outer.n0
+                if not outer.done and steps > 0:
+                    rate = steps / (time.perf_counter() - outer.t0)
+                    left = max(0, total - self.model.num_timesteps) / rate
+                    print(f"measured {rate:,.0f} env-steps/s over the first rollout: about {left / 60:,.1f} min for the "
+                          f"remaining {max(0, total - self.model.num_timesteps):,} steps", flush=True)
+                    outer.done = True
+
+        self.callback = _Callback()
+
+
+def train(args: argparse.Namespace) -> Path:
+    """Resolve, build and train; returns the run folder."""
+    import torch
+    from stable_baselines3.common.callbacks import CallbackList
+    from stable_baselines3.common.logger import configure
+
+    from rlseq.checkpoint import CheckpointCallback, latest_checkpoint, load_vecnormalize, save_checkpoint, set_rng_state
+    from rlseq.envs import ScaledReturnLogger
+
+    cfg = resolve(args)
+    cfg["verbose"] = args.verbose
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    folder = run_dir(args.logdir, cfg)
+    ckpt_root = folder / "checkpoints"
+    if (folder / "final_model.zip").exists():
+        print(f"{folder} is finished already (final_model.zip exists); nothing to do")
+        return folder
+    latest = latest_checkpoint(ckpt_root)
+    if folder.exists() and any(folder.iterdir()) and not args.resume:
+        raise UsageError(f"run folder {folder} exists; pass --resume to continue it, or another --seed/--tag/--logdir")
+    if args.resume and latest is None and folder.exists() and any(folder.glob("events.out.tfevents.*")):
+        print(f"{folder} has no checkpoint yet: starting it again from step 0", flush=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "config.yaml", "w") as f:
+        yaml.safe_dump({**cfg, "device": device}, f, sort_keys=True)
+
+    env = make_env({**cfg, "normalize_reward": cfg.get("normalize_reward") and latest is None}, seed=cfg["seed"])
+    if latest is not None and args.resume:
+        env = load_vecnormalize(latest, env)
+        algo = _algo_class(cfg)
+        model = algo.load(latest / "model.zip", env=env, device=device)
+        set_rng_state(torch.load(latest / "rng.pt", weights_only=False))
+        print(f"resuming {folder} from {latest.name} ({model.num_timesteps:,} env steps done)", flush=True)
+    else:
+        model = build_model(cfg, env, device)
+    if device == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    model.set_logger(configure(str(folder), ["tensorboard"] + (["stdout"] if args.verbose else [])))
+    remaining = cfg["n_timesteps"] - model.num_timesteps
+    callbacks = [ScaledReturnLogger(), CheckpointCallback(ckpt_root, cfg["checkpoint_every"])]
+    if device == "cpu":
+        callbacks.append(ProgressEstimate(cfg["n_timesteps"]).callback)
+    if remaining > 0:
+        model.learn(remaining, callback=CallbackList(callbacks), reset_num_timesteps=latest is None or not args.resume,
+                    progress_bar=not args.no_progress_bar)
+    save_checkpoint(model, ckpt_root)
+    model.save(folder / ".final_model.tmp.zip")
+    (folder / ".final_model.tmp.zip").replace(folder / "final_model.zip")
+    env.close()
+    print(f"done: {model.num_timesteps:,} env steps in {folder}", flush=True)
+    return folder
+
+
+def _algo_class(cfg: dict[str, Any]):
+    if cfg["algo"] == "rlseq":
+        from rlseq.algos import MemoryPPO
+
+        return MemoryPPO
+    from sb3_contrib import RecurrentPPO
+
+    return RecurrentPPO
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        train(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

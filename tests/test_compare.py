@@ -1,0 +1,246 @@
+"""Tests for rlseq.compare on synthetic TensorBoard event files with known values.
+
+Layout written once per session (runs/<env>/<variant>/seed<N>/):
+
+* caveflyer/efla      3 seeds, final values 1, 2, 3 (mean 2, std ddof=1 = 1, IQM = mean: < 4 seeds);
+                      seed0 split over two event files (resume from step 500 with stale steps 550 / 600
+                      in the old file); env_steps_per_s medians 100, 200, 300 (+ a time/fps that must be
+                      ignored); memory diagnostics.
+* caveflyer/deltanet  4 seeds, finals 1, 2, 4, 10 (mean 4.25, std sqrt(16.25), IQM = mean(2, 4) = 3,
+                      median 3); only time/fps = 50 (throughput fallback).
+* caveflyer/lstm      1 seed, final 5: std and CI are n/a.
+* bigfish/efla        2 seeds ending at steps 1000 and 800 (curve grid must stop at 800).
+
+Steps run 0..1000 every 100; with final_fraction=0.1 a seed's final value is the mean over steps
+>= 900, where the synthetic curves sit exactly at their final value.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+pytest.importorskip("tbparse")
+pytest.importorskip("rliable")
+pytest.importorskip("matplotlib")
+
+from rlseq import compare  # noqa: E402
+
+METRIC = "rollout/ep_rew_mean"
+STEPS = list(range(0, 1001, 100))
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _curve(final: float, steps: list[int]) -> list[float]:
+    """Ramp from 0 that reaches ``final`` at step 900 and stays there."""
+    return [final * min(s, 900) / 900 for s in steps]
+
+
+def _write(run_dir: Path, scalars: dict[str, list[tuple[int, float]]], *, t0: float) -> None:
+    """One event file in run_dir; wall times t0 + step so file order is explicit."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    w = SummaryWriter(log_dir=str(run_dir))
+    for tag, points in scalars.items():
+        for step, value in points:
+            w.add_scalar(tag, value, step, walltime=t0 + step)
+    w.close()
+
+
+@pytest.fixture(scope="session")
+def runs_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("runs")
+    cave = root / "caveflyer"
+    for seed, (final, tput) in enumerate([(1.0, 100.0), (2.0, 200.0), (3.0, 300.0)]):
+        d = cave / "efla" / f"seed{seed}"
+        curve = list(zip(STEPS, _curve(final, STEPS)))
+        extra = {
+            "time/env_steps_per_s": [(s, tput + (5.0 if s == 0 else 0.0)) for s in STEPS],  # median = tput
+            "time/fps": [(s, 1.0) for s in STEPS],  # must lose against env_steps_per_s
+            "memory/key_norm_max": [(s, 10.0 ** (s / 500)) for s in STEPS],
+            "memory/gate_saturated_frac": [(s, 0.01 * seed) for s in STEPS],
+        }
+        if seed == 0:
+            # Crashed run: logged up to 600 (+ 550), the checkpoint was at 500; stale values are 99.
+            old = [(s, v) for s, v in curve if s <= 400] + [(500, 99.0), (550, 99.0), (600, 99.0)]
+            _write(d, {METRIC: old, **{k: [p for p in v if p[0] <= 600] for k, v in extra.items()}}, t0=1000)
+            new = [(s, v) for s, v in curve if s >= 500]
+            _write(d, {METRIC: new, **{k: [p for p in v if p[0] >= 500] for k, v in extra.items()}}, t0=5000)
+        else:
+            _write(d, {METRIC: curve, **extra}, t0=1000)
+    for seed, final in enumerate([10.0, 1.0, 4.0, 2.0]):  # unsorted on purpose
+        curve = list(zip(STEPS, _curve(final, STEPS)))
+        _write(cave / "deltanet" / f"seed{seed}", {METRIC: curve, "time/fps": [(s, 50.0) for s in STEPS]},
+               t0=1000)
+    _write(cave / "lstm" / "seed0", {METRIC: list(zip(STEPS, _curve(5.0, STEPS)))}, t0=1000)
+    for seed, last in enumerate([1000, 800]):
+        steps = [s for s in STEPS if s <= last]
+        _write(root / "bigfish" / "efla" / f"seed{seed}", {METRIC: list(zip(steps, _curve(7.0, steps)))},
+               t0=1000)
+    return root
+
+
+@pytest.fixture(scope="session")
+def cave_df(runs_root: Path) -> pd.DataFrame:
+    return compare.load_runs(runs_root / "caveflyer")
+
+
+def test_load_runs_shape_and_resume(cave_df: pd.DataFrame) -> None:
+    df = cave_df
+    assert list(df.columns) == ["env", "variant", "seed", "step", "tag", "value"]
+    assert set(df["env"]) == {"caveflyer"}
+    assert set(df["variant"]) == {"efla", "deltanet", "lstm"}
+    seeds = df.groupby("variant")["seed"].unique().map(sorted).to_dict()
+    assert seeds == {"efla": [0, 1, 2], "deltanet": [0, 1, 2, 3], "lstm": [0]}
+    assert not df.duplicated(["env", "variant", "seed", "tag", "step"]).any()
+    m = df[df["tag"] == METRIC]
+    # 3 efla + 4 deltanet + 1 lstm seeds, 11 points each.
+    assert len(m) == 8 * len(STEPS)
+    r = m[(m["variant"] == "efla") & (m["seed"] == 0)].set_index("step")["value"]
+    assert list(r.index) == STEPS  # the orphaned step 550 is gone
+    assert r[500] == pytest.approx(_curve(1.0, [500])[0]) and r[600] == pytest.approx(_curve(1.0, [600])[0])
+    assert (r != 99.0).all()
+    # Other tags were merged the same way (the resumed files overlap on 500 and 600).
+    k = df[(df["variant"] == "efla") & (df["seed"] == 0) & (df["tag"] == "memory/key_norm_max")]
+    assert list(k["step"]) == STEPS
+
+
+def test_final_returns(cave_df: pd.DataFrame) -> None:
+    f = compare.final_returns(cave_df, final_fraction=0.1)
+    got = f[f["variant"] == "efla"].sort_values("seed")["final"].tolist()
+    assert got == [1.0, 2.0, 3.0]
+    # final_fraction=1: mean over every point of the ramp (0, 1/9, ..., 8/9, 1, 1) * final.
+    f1 = compare.final_returns(cave_df, final_fraction=1.0)
+    lstm = f1.loc[f1["variant"] == "lstm", "final"].item()
+    assert lstm == pytest.approx(np.mean(_curve(5.0, STEPS)), rel=1e-6)
+    with pytest.raises(compare.CompareError, match="not found"):
+        compare.final_returns(cave_df, metric="rollout/nope")
+
+
+def test_summarize_exact_numbers(cave_df: pd.DataFrame) -> None:
+    s = compare.summarize(cave_df, reps=500).set_index("variant")
+    assert list(s.index) == ["efla", "deltanet", "lstm"]  # memory order, not alphabetical
+
+    e = s.loc["efla"]
+    assert e["n_seeds"] == 3
+    assert e["final_mean"] == 2.0
+    assert e["final_std"] == 1.0  # np.std([1, 2, 3], ddof=1)
+    assert e["iqm"] == 2.0  # 3 seeds: 25% trim removes nothing
+    assert e["median"] == 2.0
+    assert e["env_steps_per_s"] == 200.0  # mean of per-seed medians 100, 200, 300
+    assert 1.0 <= e["iqm_ci_low"] <= e["iqm"] <= e["iqm_ci_high"] <= 3.0
+    assert e["steps_min"] == e["steps_max"] == 1000
+
+    d = s.loc["deltanet"]
+    assert d["n_seeds"] == 4
+    assert d["final_mean"] == 4.25
+    assert d["final_std"] == pytest.approx(math.sqrt(16.25), rel=1e-12)  # ((3.25² + 2.25² + .25² + 5.75²) / 3)
+    assert d["iqm"] == 3.0  # sorted 1, 2, 4, 10 -> mean of the middle two
+    assert d["median"] == 3.0
+    assert d["env_steps_per_s"] == 50.0  # time/fps fallback
+    assert 1.0 <= d["iqm_ci_low"] <= 3.0 <= d["iqm_ci_high"] <= 10.0
+
+    lstm = s.loc["lstm"]
+    assert lstm["n_seeds"] == 1 and lstm["final_mean"] == 5.0 and lstm["iqm"] == 5.0
+    assert math.isnan(lstm["final_std"]) and math.isnan(lstm["iqm_ci_low"]) and math.isnan(lstm["iqm_ci_high"])
+    assert math.isnan(lstm["env_steps_per_s"])
+
+    # Fixed bootstrap seed: reproducible CIs (rliable samples from the global np.random, which
+    # summarize seeds and then restores).
+    np.random.seed(123)
+    before = np.random.rand()
+    np.random.seed(123)
+    np.random.rand(17)  # different global state than the first call saw
+    again = compare.summarize(cave_df, reps=500).set_index("variant")
+    pd.testing.assert_frame_equal(again, s)
+    np.random.seed(123)
+    compare.summarize(cave_df, reps=50)
+    assert np.random.rand() == before
+
+
+def test_iqm_curve_matches_rliable() -> None:
+    _, metrics = compare._rliable()
+    rng = np.random.default_rng(0)
+    scores = rng.normal(size=(5, 1, 7))
+    want = [metrics.aggregate_iqm(scores[:, :, j]) for j in range(7)]
+    np.testing.assert_allclose(compare._iqm_over_runs(scores), want, rtol=1e-12)
+
+
+def test_curve_grid_stops_at_shortest_seed(runs_root: Path) -> None:
+    df = compare.load_runs(runs_root / "bigfish")
+    grid, vals = compare._seed_curves(df[df["tag"] == METRIC], 9)
+    assert grid[0] == 0 and grid[-1] == 800 and vals.shape == (2, 9)
+
+
+def test_styles_consistent() -> None:
+    a = compare.variant_styles(["lstm", "efla"])
+    b = compare.variant_styles(["none", "efla-reward1e3", "efla", "deltanet", "zzz"])
+    assert a["efla"]["color"] == b["efla"]["color"] == compare.MEMORY_COLORS["efla"]
+    assert b["efla-reward1e3"]["color"] == b["efla"]["color"]
+    assert b["efla-reward1e3"]["linestyle"] != b["efla"]["linestyle"]
+    assert b["zzz"]["color"] not in compare.MEMORY_COLORS.values()
+    assert compare.variant_order(b) == ["efla", "efla-reward1e3", "deltanet", "none", "zzz"]
+
+
+def test_cli_writes_png_and_table(runs_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    assert compare.main([str(runs_root / "caveflyer"), "--out", str(out), "--reps", "300"]) == 0
+    for name in ("compare.png", "compare_diagnostics.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == PNG_MAGIC and len(data) > 10_000
+    md = (out / "compare.md").read_text()
+    assert md == capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in md.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
+    assert set(rows) == {"efla", "deltanet", "lstm"}
+    # seeds, env steps, final mean, std, IQM, CI, median, env-steps/s
+    assert rows["efla"][:5] == ["3", "1k", "2.00", "1.00", "2.00"] and rows["efla"][6:] == ["2.00", "200"]
+    assert rows["deltanet"][:5] == ["4", "1k", "4.25", f"{math.sqrt(16.25):.2f}", "3.00"]
+    assert rows["deltanet"][6:] == ["3.00", "50"]
+    assert rows["lstm"] == ["1", "1k", "5.00", "n/a", "5.00", "n/a", "5.00", "n/a"]
+    assert "## caveflyer" in md
+
+
+def test_cli_iqm_and_multi_env(runs_root: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stray = runs_root / "stray"  # an event file outside any seed<N> folder: skipped with a warning
+    if not stray.exists():
+        _write(stray, {METRIC: [(0, 1.0)]}, t0=0)
+    with pytest.warns(UserWarning, match="outside any seed"):
+        compare.main([str(runs_root), "--out", str(tmp_path), "--aggregate", "iqm", "--reps", "200",
+                      "--points", "20"])
+    md = capsys.readouterr().out
+    assert "## bigfish" in md and "## caveflyer" in md
+    assert md.index("## bigfish") < md.index("## caveflyer")
+    bigfish = md[md.index("## bigfish"):md.index("## caveflyer")]
+    # Seeds stopped at different steps; the short one's final is its value at 800: 7 * 800 / 900.
+    assert f"| efla | 2 | 800–1k | {(7 + 7 * 8 / 9) / 2:.2f} |" in bigfish
+    assert (tmp_path / "compare.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def test_errors(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        compare.main([str(tmp_path / "missing")])
+    assert "not found" in str(e.value.code)
+    empty = tmp_path / "empty"
+    (empty / "efla" / "seed0").mkdir(parents=True)
+    (empty / "efla" / "seed0" / "config.yaml").write_text("memory: efla\n")
+    with pytest.raises(SystemExit) as e:
+        compare.main([str(empty)])
+    msg = str(e.value.code)
+    assert "no TensorBoard event files" in msg and "seed<N>" in msg
+    assert not (empty / "compare.md").exists()
+    with pytest.raises(compare.CompareError):
+        compare.load_runs(empty)
+
+
+def test_unknown_metric_cli(runs_root: Path, tmp_path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(SystemExit) as e:
+            compare.main([str(runs_root / "caveflyer"), "--out", str(tmp_path), "--metric", "rollout/nope"])
+    assert "rollout/nope" in str(e.value.code) and METRIC in str(e.value.code)
