@@ -32,11 +32,9 @@ Outputs (in ``--out``, default RUNS_DIR):
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
 import re
 import sys
-import types
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -163,30 +161,12 @@ def load_runs(root: str | Path) -> pd.DataFrame:
 
 # ------------------------------------------------------------------------------------------- rliable
 def _rliable() -> tuple[Any, Any]:
-    """rliable's ``library`` and ``metrics`` modules.
+    """rliable's ``library`` and ``metrics`` modules (imported lazily: they pull scipy, arch and seaborn).
 
-    rliable.library imports ``arch.bootstrap``; arch's top-level ``__init__`` also imports
-    ``arch.univariate``, which fails under pandas 3 (arch 7.2 calls ``deprecate_kwarg`` with the old
-    signature). ``arch.bootstrap`` itself does not need ``univariate``, so if the plain import fails we
-    register a bare package object for ``arch`` (its real ``__path__``, no ``__init__`` run) and retry.
-    The stub stays in ``sys.modules``: a real ``import arch`` fails in that environment anyway.
+    rliable pins ``arch<8``, whose import fails under pandas 3; pyproject.toml pins ``pandas<3`` for that.
     """
-    from rliable import metrics  # only needs scipy
+    from rliable import library, metrics
 
-    try:
-        from rliable import library
-    except Exception as first:  # noqa: BLE001 - any failure of arch's __init__, see docstring
-        spec = importlib.util.find_spec("arch")
-        if spec is None or not spec.submodule_search_locations:
-            raise ImportError("rliable.library cannot be imported (is arch installed?)") from first
-        stub = types.ModuleType("arch")
-        stub.__path__ = list(spec.submodule_search_locations)
-        stub.__spec__ = spec
-        sys.modules["arch"] = stub
-        try:
-            from rliable import library
-        except Exception as second:  # noqa: BLE001
-            raise ImportError(f"rliable.library cannot be imported: {first!r}; retry: {second!r}") from second
     return library, metrics
 
 
