@@ -279,3 +279,20 @@ def test_triton_backend_is_recognised_with_a_clear_error_when_unavailable(monkey
     # None picks the torch backend on the CPU
     o, _ = chunk_rule(inp["q"], inp["k"], inp["v"], inp["beta"], rule="efla")
     assert torch.isfinite(o).all() and not math.isnan(o.sum().item())
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_torch_stays_accurate_when_unit_keys_repeat_with_saturated_gates(rule):
+    """A = g·(all-ones strictly lower): its powers hold binomials up to C(63, 31) ≈ 1e18, so any inverse
+    built from powers of A cancels catastrophically. The blocked substitution must stay at fp32 rounding."""
+    g = _gen(17)
+    B, T, H, K, V = 2, 128, 2, 16, 16
+    key = F.normalize(torch.randn(1, 1, H, K, generator=g, dtype=torch.float64), dim=-1)
+    k = key.expand(B, T, H, K).clone() * (1e3 if rule == "efla" else 1.0)
+    q = torch.randn(B, T, H, K, generator=g, dtype=torch.float64)
+    v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
+    beta = torch.full((B, T, H), 0.999 if rule == "deltanet" else 5.0, dtype=torch.float64)
+    o_ref, s_ref = chunk_rule(q, k, v, beta, rule=rule, backend="reference")
+    for chunk in (16, 64):
+        o, s = chunk_rule(q.float(), k.float(), v.float(), beta.float(), rule=rule, backend="torch", chunk_size=chunk)
+        assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
