@@ -85,17 +85,16 @@ class MemoryPPO(PPO):
             tensorboard_log=tensorboard_log, policy_kwargs=policy_kwargs, verbose=verbose, seed=seed,
             device=device, _init_setup_model=False,
         )
-        if self.env is not None:
-            if n_minibatches < 1 or self.n_envs % n_minibatches != 0:
-                raise ValueError(
-                    f"n_minibatches={n_minibatches} must divide n_envs={self.n_envs}: a minibatch is a subset of "
-                    "environments, each with its whole rollout"
-                )
-            self.batch_size = self.n_envs * self.n_steps // n_minibatches
         if _init_setup_model:
             self._setup_model()
 
     def _setup_model(self) -> None:
+        if self.n_minibatches < 1 or self.n_envs % self.n_minibatches != 0:
+            raise ValueError(
+                f"n_minibatches={self.n_minibatches} must divide n_envs={self.n_envs}: a minibatch is a subset of "
+                "environments, each with its whole rollout"
+            )
+        self.batch_size = self.n_envs * self.n_steps // self.n_minibatches
         self._setup_lr_schedule()
         self.set_random_seed(self.seed)
         self.policy = self.policy_class(self.observation_space, self.action_space, self.lr_schedule, **self.policy_kwargs)
@@ -135,7 +134,11 @@ class MemoryPPO(PPO):
         for n_steps in range(n_rollout_steps):
             with torch.no_grad():
                 obs_tensor = obs_as_tensor(self._last_obs, self.device)
-                actions, values, log_probs = self.policy(obs_tensor, self._memory_state, starts)
+                try:
+                    actions, values, log_probs = self.policy(obs_tensor, self._memory_state, starts)
+                except ValueError:  # torch's distributions reject NaN logits: say whether the memory caused it
+                    self.policy.memory.check_finite(self._memory_state, where=f"acting at env step {self.num_timesteps}")
+                    raise
             actions_np = actions.cpu().numpy()
             clipped = actions_np
             if isinstance(self.action_space, spaces.Box):
@@ -211,8 +214,10 @@ class MemoryPPO(PPO):
         continue_training = True
         for epoch in range(self.n_epochs):
             epoch_kl = []
-            for batch in self.rollout_buffer.minibatches(self.n_minibatches):
+            for i, batch in enumerate(self.rollout_buffer.minibatches(self.n_minibatches)):
                 losses = self.ppo_losses(batch, clip_range, clip_range_vf)
+                if not torch.isfinite(losses["loss"]):
+                    self._report_nonfinite_loss(batch, epoch, i, losses)
                 epoch_kl.append(losses["approx_kl"])
                 if self.target_kl is not None and losses["approx_kl"].item() > 1.5 * self.target_kl:
                     continue_training = False
@@ -254,6 +259,16 @@ class MemoryPPO(PPO):
         steps = self.n_envs * self.n_steps
         seconds = getattr(self, "_rollout_seconds", 0.0) + time.perf_counter() - t0
         record("time/env_steps_per_s", steps / max(seconds, 1e-9))
+
+    @torch.no_grad()
+    def _report_nonfinite_loss(self, batch, epoch: int, index: int, losses: dict[str, torch.Tensor]) -> None:
+        """Raise with where a non-finite loss arose, and the memory's health on that minibatch."""
+        where = f"training at env step {self.num_timesteps}, epoch {epoch}, minibatch {index} (envs {batch.env_indices.tolist()})"
+        self.policy.memory.check_finite(batch.initial_state, where=where + ", stored initial state")
+        diag = self.policy.memory_diagnostics(batch.observations, batch.initial_state, batch.episode_starts)
+        parts = ", ".join(f"{k}={float(v):.4g}" for k, v in diag.items())
+        terms = ", ".join(f"{k}={float(v):.4g}" for k, v in losses.items())
+        raise FloatingPointError(f"non-finite PPO loss at {where}: {terms}; memory: {parts or 'n/a'}")
 
     @torch.no_grad()
     def _record_memory_diagnostics(self) -> None:

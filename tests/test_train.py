@@ -1,0 +1,258 @@
+"""MemoryPPO (whole-rollout training) and the training CLI: losses, save/load, checkpoints, TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.env_util import make_vec_env
+from stable_baselines3.common.logger import configure
+
+from rlseq.algos import MemoryPPO
+from rlseq.train import main as train_main
+
+MEMORY_KWARGS = {
+    "efla": {"n_heads": 2, "head_dim": 16},
+    "deltanet": {"n_heads": 2, "head_dim": 16},
+    "lstm": {"hidden_size": 32},
+    "none": {},
+}
+TINY = ["--n-envs", "2", "--n-steps", "16", "--n-minibatches", "2", "--n-epochs", "1", "--num-threads", "0"]
+
+
+class _NoOp(BaseCallback):
+    def _on_step(self) -> bool:
+        return True
+
+
+def _cartpole_model(memory: str, n_envs: int = 4, n_steps: int = 48, seed: int = 0) -> MemoryPPO:
+    env = make_vec_env("CartPole-v1", n_envs=n_envs, seed=seed)
+    model = MemoryPPO("MlpPolicy", env, n_steps=n_steps, n_minibatches=2, seed=seed, device="cpu",
+                      policy_kwargs=dict(memory=memory, memory_kwargs=MEMORY_KWARGS[memory]))
+    model.set_logger(configure(None, []))
+    return model
+
+
+def _collect(model: MemoryPPO, setup: bool = True) -> None:
+    if setup:
+        model._setup_learn(10_000)
+    cb = _NoOp()
+    cb.init_callback(model)
+    assert model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
+
+
+@pytest.mark.parametrize("memory", ["efla", "deltanet", "lstm", "none"])
+def test_sequence_losses_equal_a_step_by_step_recomputation(memory):
+    model = _cartpole_model(memory)
+    _collect(model)  # first rollout: the memory starts empty
+    model.train()  # move the weights and the memory state away from zero
+    _collect(model, setup=False)  # second rollout: starts from the memory state carried over
+    buf = model.rollout_buffer
+    assert buf.episode_starts[1:].any(), "the rollout should contain episode starts inside the sequences"
+    if memory != "none":
+        assert buf.initial_state.abs().max() > 0, "the second rollout must start from a carried-over state"
+    batch = buf.batch(torch.arange(model.n_envs))
+    with torch.no_grad():
+        seq = model.ppo_losses(batch, clip_range=0.2, clip_range_vf=0.5)
+        values, log_probs, entropies = [], [], []
+        state = batch.initial_state.clone()
+        for t in range(model.n_steps):
+            v, lp, ent = model.policy.evaluate_step(batch.observations[:, t], batch.actions[:, t], state, batch.episode_starts[:, t])
+            values.append(v), log_probs.append(lp), entropies.append(ent)
+        values, log_probs, entropies = (torch.stack(x, 1).flatten() for x in (values, log_probs, entropies))
+        step = model._losses_from(values, log_probs, entropies, batch, 0.2, 0.5)
+    for name in seq:
+        assert torch.allclose(seq[name], step[name], rtol=1e-5, atol=1e-6), name
+    # and acting stored the same log-probabilities: PPO's ratio is 1 on the first minibatch
+    assert torch.allclose(log_probs, batch.old_log_prob.flatten(), atol=1e-5)
+    assert torch.allclose(values, batch.old_values.flatten(), atol=1e-5)
+
+
+def test_buffer_stores_the_memory_state_once_per_rollout():
+    model = _cartpole_model("efla", n_envs=4, n_steps=32)
+    _collect(model)
+    buf = model.rollout_buffer
+    per_env_state = int(np.prod(model.policy.initial_state(1).shape))
+    assert tuple(buf.initial_state.shape) == (4, *model.policy.initial_state(1).shape[1:])
+    # everything but the observations, per step and env, is a handful of scalars: no per-step state
+    obs_bytes = buf.observations.numel() * buf.observations.element_size()
+    assert buf.nbytes() - obs_bytes < 4 * per_env_state * 4 + 32 * 4 * 8 * 8
+
+
+def test_save_load_predict_roundtrip(tmp_path):
+    model = _cartpole_model("efla", n_envs=2, n_steps=16)
+    model.learn(64)
+    obs = model.env.reset()
+    a1, s1 = model.predict(obs, state=None, episode_start=np.ones(2, bool), deterministic=True)
+    a2, s2 = model.predict(obs, state=s1, episode_start=np.zeros(2, bool), deterministic=True)
+    model.save(tmp_path / "m.zip")
+    loaded = MemoryPPO.load(tmp_path / "m.zip", device="cpu")
+    b1, t1 = loaded.predict(obs, state=None, episode_start=np.ones(2, bool), deterministic=True)
+    b2, t2 = loaded.predict(obs, state=t1, episode_start=np.zeros(2, bool), deterministic=True)
+    assert np.array_equal(a1, b1) and np.array_equal(a2, b2)
+    assert np.allclose(s2, t2) and not np.allclose(s1, s2)
+    with pytest.raises(ValueError, match="state must have shape"):
+        loaded.predict(obs, state=s1[:, :1], episode_start=np.zeros(2, bool))
+
+
+def test_n_minibatches_must_divide_n_envs():
+    env = make_vec_env("CartPole-v1", n_envs=6)
+    with pytest.raises(ValueError, match="n_minibatches=4 must divide n_envs=6"):
+        MemoryPPO("MlpPolicy", env, n_minibatches=4, device="cpu")
+
+
+def test_memory_state_nan_is_reported_with_where():
+    model = _cartpole_model("efla", n_envs=2, n_steps=8)
+    model._setup_learn(100)
+    model._last_episode_starts = np.zeros(2, dtype=bool)  # no reset at step 0 would wipe it
+    model._memory_state[1, 0, 3, 2] = float("nan")
+    cb = _NoOp()
+    cb.init_callback(model)
+    with pytest.raises(FloatingPointError, match=r"non-finite efla memory state at acting at env step 0: batch indices \[1\]"):
+        model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
+
+
+# --- the CLI ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--memory", "transformer"], "valid memories: efla, deltanet, lstm, none"),
+        (["--env", "pong"], "caveflyer"),
+        (["--algo", "dqn"], "valid algos: rlseq, sb3-recurrent-ppo"),
+        (["--distribution-mode", "extreme"], "valid: easy, hard, memory, exploration"),
+        (["--n-envs", "6", "--n-minibatches", "4"], "must divide"),
+        (["--algo", "sb3-recurrent-ppo", "--memory", "none"], "needs a recurrent memory"),
+    ],
+)
+def test_bad_flags_fail_fast_with_the_valid_choices(argv, message, tmp_path, capsys, monkeypatch):
+    import rlseq.train as T
+
+    monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built before validation"))
+    with pytest.raises(SystemExit) as e:
+        train_main(argv + ["--logdir", str(tmp_path)])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _scalars(run: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = []
+    for f in sorted(run.glob("events.out.tfevents.*")):
+        acc = EventAccumulator(str(f))
+        acc.Reload()
+        if tag in acc.Tags()["scalars"]:
+            out += [(e.step, e.value) for e in acc.Scalars(tag)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory) -> Path:
+    logdir = tmp_path_factory.mktemp("runs")
+    train_main(["--env", "caveflyer", "--memory", "efla", "--total-steps", "96", "--seed", "3", "--logdir", str(logdir),
+                "--no-progress-bar", *TINY])
+    return logdir
+
+
+def test_cli_runs_end_to_end_and_writes_the_run_folder(tiny_run):
+    run = tiny_run / "caveflyer" / "efla" / "seed3"
+    assert (run / "final_model.zip").exists() and (run / "config.yaml").exists()
+    import yaml
+
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    assert cfg["n_envs"] == 2 and cfg["n_steps"] == 16 and cfg["memory"] == "efla" and cfg["gamma"] == 0.999
+    steps = [s for s, _ in _scalars(run, "time/fps")]
+    assert steps and max(steps) == 96
+    assert _scalars(run, "memory/gate_saturated_frac") and _scalars(run, "memory/state_norm_max")
+    assert _scalars(run, "train/grad_norm") and _scalars(run, "train/value_target_abs_max")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tensorboard_server_serves_a_scalar_of_a_finished_run(tiny_run):
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(tiny_run / "caveflyer"),
+                             "--host", "127.0.0.1", "--port", str(port), "--load_fast", "false"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        deadline, runs = time.time() + 60, []
+        while time.time() < deadline:
+            try:
+                runs = json.load(urllib.request.urlopen(f"{base}/data/runs", timeout=5))
+                if runs:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        assert "efla/seed3" in runs, runs
+        query = urllib.parse.urlencode({"run": "efla/seed3", "tag": "time/fps"})
+        deadline = time.time() + 30
+        while True:
+            try:
+                points = json.load(urllib.request.urlopen(f"{base}/data/plugin/scalars/scalars?{query}", timeout=5))
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(0.5)
+        assert [p[1] for p in points] == [s for s, _ in _scalars(tiny_run / "caveflyer" / "efla" / "seed3", "time/fps")]
+        assert all(p[2] > 0 for p in points)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_refuses_to_overwrite_a_run_and_resume_of_a_finished_run_is_a_no_op(tiny_run, capsys):
+    argv = ["--env", "caveflyer", "--memory", "efla", "--total-steps", "96", "--seed", "3", "--logdir", str(tiny_run), *TINY]
+    train_main(argv + ["--resume"])
+    assert "finished already" in capsys.readouterr().out
+
+
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
+    argv = ["--env", "caveflyer", "--memory", "deltanet", "--total-steps", "256", "--seed", "1", "--logdir", str(tmp_path),
+            "--checkpoint-every", "32", "--no-progress-bar", *TINY]
+    run = tmp_path / "caveflyer" / "deltanet" / "seed1"
+    proc = subprocess.Popen([sys.executable, "-m", "rlseq.train", *argv], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 240
+    latest = run / "checkpoints" / "latest"
+    while time.time() < deadline and proc.poll() is None:
+        if latest.exists() and int(latest.read_text().strip()[4:]) >= 64:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, f"the run ended before it could be killed: {proc.stderr.read().decode()[-2000:]}"
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (run / "final_model.zip").exists()
+    saved = int((run / "checkpoints" / latest.read_text().strip() / "meta.json").read_text().split(":")[1].split(",")[0])
+    assert saved >= 64
+    before = _scalars(run, "time/fps")
+
+    train_main(argv + ["--resume"])
+    assert (run / "final_model.zip").exists()
+    after = _scalars(run, "time/fps")
+    new_steps = sorted({s for s, _ in after} - {s for s, _ in before})
+    # the curve continues in the same folder, from the checkpoint on: nothing before it is redone
+    assert new_steps and new_steps[0] == saved + 32 and new_steps[-1] == 256
+    assert len(list(run.glob("events.out.tfevents.*"))) >= 2
+    from rlseq.algos import MemoryPPO as M
+
+    assert M.load(run / "final_model.zip", device="cpu").num_timesteps == 256
