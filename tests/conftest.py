@@ -1,0 +1,10 @@
+"""Run every Triton kernel in these tests under the interpreter, on CPU tensors.
+
+``@triton.jit`` (triton's own ``tl.sum`` etc. included) decides at decoration time whether a function is
+interpreted, so the variable must be set before anything imports triton; conftest.py is imported first.
+Only the Triton tests use it: the API still picks the torch backend for CPU tensors when backend is None.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"
