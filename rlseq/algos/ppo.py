@@ -25,6 +25,7 @@ from stable_baselines3.common.utils import FloatSchedule, obs_as_tensor
 from stable_baselines3.common.vec_env import VecEnv
 
 from rlseq.algos.buffer import SequenceRolloutBuffer
+from rlseq.algos.phases import PhaseTimer
 from rlseq.policies.actor_critic import MemoryPPOPolicy
 
 
@@ -77,6 +78,7 @@ class MemoryPPO(PPO):
     ):
         self.n_minibatches = n_minibatches
         self._memory_state: torch.Tensor | None = None
+        self.phases = PhaseTimer()  # enable with model.phases.enabled = True (python -m rlseq.bench train)
         super().__init__(
             policy, env, learning_rate=learning_rate, n_steps=n_steps, batch_size=2, n_epochs=n_epochs,
             gamma=gamma, gae_lambda=gae_lambda, clip_range=clip_range, clip_range_vf=clip_range_vf,
@@ -99,6 +101,7 @@ class MemoryPPO(PPO):
         self.set_random_seed(self.seed)
         self.policy = self.policy_class(self.observation_space, self.action_space, self.lr_schedule, **self.policy_kwargs)
         self.policy = self.policy.to(self.device)
+        self.phases = PhaseTimer(self.device)
         self.rollout_buffer = SequenceRolloutBuffer(
             self.n_steps, self.n_envs, self.observation_space, self.action_space, self.device,
             gamma=self.gamma, gae_lambda=self.gae_lambda,
@@ -110,7 +113,7 @@ class MemoryPPO(PPO):
             self.clip_range_vf = FloatSchedule(self.clip_range_vf)
 
     def _excluded_save_params(self) -> list[str]:
-        return super()._excluded_save_params() + ["_memory_state"]
+        return super()._excluded_save_params() + ["_memory_state", "phases"]
 
     def _setup_learn(self, total_timesteps: int, callback: MaybeCallback = None, reset_num_timesteps: bool = True,
                      tb_log_name: str = "run", progress_bar: bool = False) -> tuple[int, BaseCallback]:
@@ -131,32 +134,36 @@ class MemoryPPO(PPO):
         callback.on_rollout_start()
         t0 = time.perf_counter()
         starts = torch.as_tensor(self._last_episode_starts, device=self.device).bool()
+        phase = self.phases
         for n_steps in range(n_rollout_steps):
-            with torch.no_grad():
+            with phase("act"), torch.no_grad():
                 obs_tensor = obs_as_tensor(self._last_obs, self.device)
                 try:
                     actions, values, log_probs = self.policy(obs_tensor, self._memory_state, starts)
                 except ValueError:  # torch's distributions reject NaN logits: say whether the memory caused it
                     self.policy.memory.check_finite(self._memory_state, where=f"acting at env step {self.num_timesteps}")
                     raise
-            actions_np = actions.cpu().numpy()
+                actions_np = actions.cpu().numpy()
             clipped = actions_np
             if isinstance(self.action_space, spaces.Box):
                 clipped = np.clip(actions_np, self.action_space.low, self.action_space.high)
-            new_obs, rewards, dones, infos = env.step(clipped)
+            with phase("env"):
+                new_obs, rewards, dones, infos = env.step(clipped)
             self.num_timesteps += env.num_envs
             callback.update_locals(locals())
             if not callback.on_step():
                 return False
             self._update_info_buffer(infos, dones)
             rewards = self._bootstrap_truncated(rewards, dones, infos)
-            rollout_buffer.add(obs_tensor, actions, torch.as_tensor(rewards, device=self.device, dtype=torch.float32),
-                               starts, values, log_probs)
-            self._last_obs, self._last_episode_starts = new_obs, dones
-            starts = torch.as_tensor(dones, device=self.device).bool()
-        with torch.no_grad():
+            with phase("buffer"):
+                rollout_buffer.add(obs_tensor, actions, torch.as_tensor(rewards, device=self.device, dtype=torch.float32),
+                                   starts, values, log_probs)
+                self._last_obs, self._last_episode_starts = new_obs, dones
+                starts = torch.as_tensor(dones, device=self.device).bool()
+        with phase("act"), torch.no_grad():
             last_values = self.policy.predict_values(obs_as_tensor(new_obs, self.device), self._memory_state, starts)
-        rollout_buffer.compute_returns_and_advantage(last_values, starts)
+        with phase("buffer"):
+            rollout_buffer.compute_returns_and_advantage(last_values, starts)
         self.policy.memory.check_finite(self._memory_state, where=f"acting, rollout ending at env step {self.num_timesteps}")
         self._rollout_seconds = time.perf_counter() - t0
         callback.update_locals(locals())
@@ -215,7 +222,8 @@ class MemoryPPO(PPO):
         for epoch in range(self.n_epochs):
             epoch_kl = []
             for i, batch in enumerate(self.rollout_buffer.minibatches(self.n_minibatches)):
-                losses = self.ppo_losses(batch, clip_range, clip_range_vf)
+                with self.phases("train_forward"):
+                    losses = self.ppo_losses(batch, clip_range, clip_range_vf)
                 if not torch.isfinite(losses["loss"]):
                     self._report_nonfinite_loss(batch, epoch, i, losses)
                 epoch_kl.append(losses["approx_kl"])
@@ -224,10 +232,12 @@ class MemoryPPO(PPO):
                     if self.verbose >= 1:
                         print(f"Early stopping at epoch {epoch} due to reaching max kl: {losses['approx_kl'].item():.2f}")
                     break
-                self.policy.optimizer.zero_grad(set_to_none=True)
-                losses["loss"].backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
-                self.policy.optimizer.step()
+                with self.phases("train_backward"):
+                    self.policy.optimizer.zero_grad(set_to_none=True)
+                    losses["loss"].backward()
+                with self.phases("optimizer"):
+                    grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
+                    self.policy.optimizer.step()
                 for name, value in losses.items():
                     stats.setdefault(name, []).append(value.detach())
                 stats.setdefault("grad_norm", []).append(grad_norm.detach())
@@ -255,7 +265,8 @@ class MemoryPPO(PPO):
         returns = self.rollout_buffer.returns
         record("train/value_target_abs_mean", returns.abs().mean().item())
         record("train/value_target_abs_max", returns.abs().max().item())
-        self._record_memory_diagnostics()
+        with self.phases("diagnostics"):
+            self._record_memory_diagnostics()
         steps = self.n_envs * self.n_steps
         seconds = getattr(self, "_rollout_seconds", 0.0) + time.perf_counter() - t0
         record("time/env_steps_per_s", steps / max(seconds, 1e-9))

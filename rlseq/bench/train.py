@@ -1,0 +1,145 @@
+"""``python -m rlseq.bench train``: end-to-end env-steps/s of training, per memory, in one process.
+
+Each variant trains on the same procgen env and configuration (``configs/procgen.yml`` unless overridden):
+after ``--warmup`` rollouts (compilation, allocator, procgen start-up), ``--rollouts`` rollouts are timed,
+each a full collect + update, with the phase timer off. For rlseq's MemoryPPO one more rollout is then run
+with the phase timer on (it synchronises the device at each phase boundary) to give the breakdown.
+
+Variants: ``rlseq-none``, ``rlseq-efla``, ``rlseq-deltanet``, ``rlseq-lstm`` (MemoryPPO), ``sb3-lstm``
+(stock sb3-contrib RecurrentPPO with ``CnnLstmPolicy``) and ``sb3-ppo`` (stock SB3 PPO with ``CnnPolicy``).
+``sb3-lstm`` and ``sb3-ppo`` use SB3's default NatureCNN, as a user's stock script would; the rlseq variants
+and ``sb3-lstm-impala`` (RecurrentPPO with the same IMPALA CNN and a 256-unit LSTM, the like-for-like
+baseline of ``rlseq-lstm``) use the IMPALA CNN of the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from rlseq.bench.timing import describe_environment
+
+VARIANTS = ("rlseq-none", "rlseq-efla", "rlseq-deltanet", "rlseq-lstm", "sb3-lstm", "sb3-lstm-impala", "sb3-ppo")
+PHASES = ("env", "act", "buffer", "train_forward", "train_backward", "optimizer", "diagnostics")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--env", default="caveflyer")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--n-envs", type=int, default=None, help="default: the config's (64)")
+    parser.add_argument("--n-steps", type=int, default=None, help="default: the config's (256)")
+    parser.add_argument("--n-minibatches", type=int, default=None)
+    parser.add_argument("--n-epochs", type=int, default=None)
+    parser.add_argument("--num-threads", type=int, default=None, help="procgen threads")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rollouts first")
+    parser.add_argument("--rollouts", type=int, default=2, help="timed rollouts")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _config(args: argparse.Namespace, memory: str, algo: str) -> dict:
+    from rlseq.train import build_parser, resolve
+
+    argv = ["--env", args.env, "--memory", memory, "--algo", algo, "--seed", str(args.seed)]
+    for flag in ("n_envs", "n_steps", "n_minibatches", "n_epochs", "num_threads"):
+        if getattr(args, flag) is not None:
+            argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    return resolve(build_parser().parse_args(argv))
+
+
+def _build(variant: str, args: argparse.Namespace, device: str):
+    from stable_baselines3.common.logger import configure
+
+    from rlseq.train import build_model, make_env
+
+    if variant.startswith("rlseq-"):
+        cfg = _config(args, variant.split("-", 1)[1], "rlseq")
+        model = build_model(cfg, make_env(cfg, seed=args.seed), device)
+    else:
+        cfg = _config(args, "lstm", "rlseq")
+        env = make_env(cfg, seed=args.seed)
+        common = dict(n_steps=cfg["n_steps"], batch_size=cfg["n_envs"] * cfg["n_steps"] // cfg["n_minibatches"],
+                      n_epochs=cfg["n_epochs"], learning_rate=cfg["learning_rate"], gamma=cfg["gamma"],
+                      gae_lambda=cfg["gae_lambda"], ent_coef=cfg["ent_coef"], clip_range=cfg["clip_range"],
+                      seed=args.seed, device=device)
+        if variant.startswith("sb3-lstm"):
+            from sb3_contrib import RecurrentPPO
+
+            kwargs = {}
+            if variant == "sb3-lstm-impala":
+                from rlseq.policies import ImpalaCNN
+
+                kwargs = dict(features_extractor_class=ImpalaCNN, lstm_hidden_size=256)
+            model = RecurrentPPO("CnnLstmPolicy", env, policy_kwargs=kwargs, **common)
+        else:
+            from stable_baselines3 import PPO
+
+            model = PPO("CnnPolicy", env, **common)
+    model.set_logger(configure(None, []))
+    return model, cfg
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure(variant: str, args: argparse.Namespace, device: str) -> dict:
+    """Env-steps/s over ``args.rollouts`` timed rollouts (+ the phase breakdown for rlseq variants)."""
+    model, cfg = _build(variant, args, device)
+    per_rollout = cfg["n_envs"] * cfg["n_steps"]
+    model.learn(args.warmup * per_rollout)
+    _sync(device)
+    t0 = time.perf_counter()
+    model.learn(args.rollouts * per_rollout, reset_num_timesteps=False)
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    out = {"variant": variant, "steps_per_s": args.rollouts * per_rollout / seconds, "seconds": seconds}
+    if hasattr(model, "phases"):
+        model.phases.enabled = True
+        model.phases.reset()
+        t1 = time.perf_counter()
+        model.learn(per_rollout, reset_num_timesteps=False)
+        _sync(device)
+        total = time.perf_counter() - t1
+        phases = dict(model.phases.totals)
+        phases["other"] = max(0.0, total - sum(phases.values()))
+        out["phases"] = {k: v / total for k, v in phases.items()}
+        out["profiled_steps_per_s"] = per_rollout / total
+    model.env.close()
+    del model
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(args: argparse.Namespace) -> None:
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    print(describe_environment(torch.device(device)))
+    cfg = _config(args, "efla", "rlseq")
+    print(f"{args.env}, {cfg['n_envs']} envs x {cfg['n_steps']} steps, {cfg['n_epochs']} epochs, "
+          f"{cfg['n_minibatches']} minibatches; {args.warmup} warm-up + {args.rollouts} timed rollouts per variant\n")
+    results = []
+    for variant in args.variants:
+        res = measure(variant, args, device)
+        results.append(res)
+        print(f"  {variant}: {res['steps_per_s']:,.0f} env-steps/s", flush=True)
+    base = {r["variant"]: r["steps_per_s"] for r in results}
+    ref = base.get("rlseq-none")
+    print("\n| variant | env-steps/s | vs rlseq-none | vs sb3-lstm |")
+    print("|---|---:|---:|---:|")
+    for r in results:
+        vs_none = f"{r['steps_per_s'] / ref:.2f}x" if ref else "n/a"
+        vs_sb3 = f"{r['steps_per_s'] / base['sb3-lstm']:.2f}x" if "sb3-lstm" in base else "n/a"
+        print(f"| {r['variant']} | {r['steps_per_s']:,.0f} | {vs_none} | {vs_sb3} |")
+    profiled = [r for r in results if "phases" in r]
+    if profiled:
+        names = [p for p in PHASES if any(p in r["phases"] for r in profiled)] + ["other"]
+        print("\nShare of a profiled rollout (device synchronised at phase boundaries):\n")
+        print("| variant | profiled env-steps/s | " + " | ".join(names) + " |")
+        print("|---|---:|" + "---:|" * len(names))
+        for r in profiled:
+            cells = " | ".join(f"{100 * r['phases'].get(n, 0.0):.0f}%" for n in names)
+            print(f"| {r['variant']} | {r['profiled_steps_per_s']:,.0f} | {cells} |")
