@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--normalize-reward", action=argparse.BooleanOptionalAction, default=None,
                    help="VecNormalize the PPO reward")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
+    p.add_argument("--tf32", action="store_true",
+                   help="allow TF32 convolutions and matmuls on the GPU (faster; acting and training then differ by "
+                        "~1e-3, so PPO's first ratio is no longer exactly 1)")
     p.add_argument("--logdir", default="runs")
     p.add_argument("--tag", default=None, help="suffix of the run's variant folder, e.g. reward1e3")
     p.add_argument("--config", default=None, help=f"RL Zoo-style YAML file (default: {DEFAULT_CONFIG.name} of the repo)")
@@ -220,6 +223,8 @@ def train(args: argparse.Namespace) -> Path:
 
     cfg = resolve(args)
     cfg["verbose"] = args.verbose
+    # exact by default: with TF32, acting (batch n_envs) and training (batch B*T) pick different conv kernels
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     folder = run_dir(args.logdir, cfg)
     ckpt_root = folder / "checkpoints"
