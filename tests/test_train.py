@@ -278,3 +278,15 @@ def test_cli_other_algorithm_and_the_scale_wrappers(extra, variant, tmp_path):
         # each step earns (1 − γ)·1e4 = 10 from the shift alone, so the 16-step targets of an untrained critic
         # already exceed 20; unshifted, caveflyer's rewards are almost all 0 this early
         assert min(v for _, v in _scalars(run, "train/value_target_abs_mean")) > 20
+
+
+def test_evaluate_reports_unscaled_returns_on_held_out_levels(tiny_run, capsys):
+    from rlseq.evaluate import evaluate, main as evaluate_main
+
+    run = tiny_run / "caveflyer" / "efla" / "seed3"
+    res = evaluate(run, 3, n_envs=2, progress=False)
+    assert res["episodes"] == 3 and res["start_level"] == 2**30
+    assert 0.0 <= res["min"] <= res["mean"] <= res["max"] <= 12.0  # caveflyer's game scores
+    with pytest.raises(SystemExit):
+        evaluate_main([str(tiny_run / "nope"), "--episodes", "1"])
+    assert "config.yaml" in capsys.readouterr().err
