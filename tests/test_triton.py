@@ -151,6 +151,44 @@ def test_chunk_repeated_keys_are_stable():
     _check(inp, "efla", torch.float32)
 
 
+# --- V split into blocks (config["block_v"]): per-block forward, partial dq/dk/dβ summed over blocks ------
+
+
+@pytest.mark.parametrize("rule", ["efla", "deltanet"])
+def test_chunk_v_blocks_partial_last_block(rule):
+    """K ≠ V, neither a power of two: V=48 in blocks of 16 → 4 blocks over a padded 64, the last one empty;
+    resets, zero keys, initial state, T not a multiple of the chunk; gradients against the float64 oracle."""
+    _check(_inputs(2, 37, 1, 24, 48, rule, seed=31), rule, torch.float32, config=dict(chunk_size=16, block_v=16))
+
+
+@pytest.mark.parametrize("rule", ["efla", "deltanet"])
+def test_chunk_two_v_blocks_match_one_block(rule):
+    """V=32 with block_v=16 (2 blocks) equals the single-block kernel to fp32 rounding, and both the oracle."""
+    inp = _inputs(1, 33, 2, 16, 32, rule, seed=41)
+    _check(inp, rule, torch.float32, config=dict(block_v=16))
+    one = _run(inp, rule, "triton", torch.float32, grads=True, config=dict(block_v=None))
+    two = _run(inp, rule, "triton", torch.float32, grads=True, config=dict(block_v=16))
+    assert rel_err(two[0], one[0]) < 1e-6 and rel_err(two[1], one[1]) < 1e-6
+    for n in one[2]:
+        assert rel_err(two[2][n], one[2][n]) < 1e-6, n
+
+
+def test_chunk_v_blocks_bf16_and_no_state():
+    """The reduction path with bf16 inputs (partials in fp32, one cast) and without h0/resets."""
+    inp = _inputs(1, 20, 1, 16, 32, "efla", seed=43)
+    _check(inp, "efla", torch.bfloat16, config=dict(block_v=16))
+    _check(inp, "efla", torch.float32, with_h0=False, with_resets=False, config=dict(block_v=16, chunk_size=32))
+
+
+def test_chunk_block_v_validation():
+    from rlseq.kernels.triton_chunk import _block_v
+
+    assert _block_v(dict(block_v=None), 48) == 64 and _block_v(dict(block_v=128), 64) == 64
+    assert _block_v(dict(block_v=16), 64) == 16
+    with pytest.raises(ValueError):
+        _block_v(dict(block_v=24), 64)
+
+
 def test_chunk_api_dispatch_and_no_grad_path():
     inp = _inputs(1, 18, 1, 16, 16, "efla", seed=4)
     x = {n: inp[n].float() for n in FIELDS}

@@ -4,7 +4,11 @@
    tensors against the float64 step-by-step oracle (run on the GPU in float64), over several chunk sizes,
    num_warps, num_stages and both forward modes: the Hopper compiler has miscompiled delta-rule backward
    kernels before for some warp counts (fla #984), which the CPU interpreter cannot catch.
-2. ``--time``: fwd+bwd time of each config at the RL shapes, to choose the defaults.
+2. ``--time``: fwd+bwd time of each config at the RL shapes, to choose the defaults, with each compiled
+   kernel's registers per thread, spills and shared memory (the compiler's resource report).
+3. ``--warm I N``: compile (by running once at B=2) share I of N of the kernels that ``--time`` and
+   ``python -m rlseq.bench kernels`` (the documented shapes, fla rows included) will use, so several processes can fill
+   triton's on-disk cache in parallel before anything is timed.
 
 Prints a compact table last; ``--log`` writes every row to a file.
 """
@@ -55,6 +59,32 @@ def oracle(inp, rule, dtype, do, ds):
     return o.detach(), s.detach(), {n: x[n].grad for n in FIELDS}
 
 
+def resources() -> str:
+    """Registers per thread / spills / shared bytes of the latest chunk launches (``triton_chunk.LAST_COMPILED``)."""
+    from rlseq.kernels.triton_chunk import LAST_COMPILED
+
+    out = []
+    for name in ("fwd", "bwd"):
+        k = LAST_COMPILED.get(name)
+        if k is None:
+            continue
+        try:
+            k._init_handles()
+        except Exception:
+            pass
+        out.append(f"{name} regs {getattr(k, 'n_regs', '?')} spills {getattr(k, 'n_spills', '?')} "
+                   f"smem {getattr(getattr(k, 'metadata', None), 'shared', '?')}")
+    return "; ".join(out)
+
+
+def describe(cfg, T=256, K=64, V=64, B=None, H=None) -> str:
+    from rlseq.kernels.triton_chunk import _block_v, default_config
+
+    full = dict(default_config(T, K, V, B, H), **(cfg or {}))
+    return (f"C{full['chunk_size']} BV{_block_v(full, V)} w{full['num_warps']} s{full['num_stages']} "
+            f"{full['mode']} {full['prec']}" + (" (default)" if not cfg else ""))
+
+
 def check_chunk(inp, rule, dtype, cfg, ref):
     x = {n: inp[n].to(dtype if n != "initial_state" else torch.float32).clone().requires_grad_() for n in FIELDS}
     o, s = chunk_triton(x["q"], x["k"], x["v"], x["beta"], rule=rule, initial_state=x["initial_state"],
@@ -84,7 +114,7 @@ def correctness(device, log, configs, rules=("efla", "deltanet"), shapes=SHAPES,
         for cfg in cfgs:
             errs = check_chunk(inp, rule, dtype, cfg, ref)
             tol = 1e-4 if dtype == torch.float32 else 1e-2
-            if cfg.get("prec") == "tf32":
+            if (cfg or {}).get("prec") == "tf32":
                 tol = 5e-3
             m = max(errs.values())
             key = (rule, str(dtype).split(".")[-1])
@@ -140,10 +170,63 @@ def timing(device, log, configs, shapes):
         except Exception as e:  # e.g. out of shared memory for a config
             print(f"time B{B} T{T} H{H} D{D} {cfg} ERROR {type(e).__name__}: {str(e)[:120]}", file=log, flush=True)
             continue
-        line = f"time B{B} T{T} H{H} D{D} {cfg} fwd {tf * 1e3:.0f} us fwd+bwd {tfb * 1e3:.0f} us"
+        res = resources()
+        line = f"time B{B} T{T} H{H} D{D} {describe(cfg, T, D, D, B, H)} fwd {tf * 1e3:.0f} us fwd+bwd {tfb * 1e3:.0f} us | {res}"
         print(line, file=log, flush=True)
-        out.append(((B, T, H, D), cfg, tf, tfb))
+        out.append(((B, T, H, D), cfg, tf, tfb, res))
     return out
+
+
+def time_configs() -> list:
+    """Index 0 is the default (None); 1 the previous default at D64 (one V block, C16); then variants."""
+    base = dict(chunk_size=16, num_warps=4, num_stages=1, mode="inline", prec="ieee")
+    return [None, dict(base, block_v=None), dict(base, block_v=32), dict(base, block_v=16, num_warps=2),
+            dict(base, block_v=16, chunk_size=32), dict(base, block_v=32, chunk_size=32),
+            dict(base, block_v=16, num_warps=8), dict(base, block_v=16, mode="prep"),
+            dict(base, block_v=None, chunk_size=32), dict(base, block_v=16, chunk_size=64, num_warps=8),
+            dict(base, block_v=16, num_stages=2), dict(base, block_v=16, prec="tf32"),
+            dict(base, block_v=32, num_warps=8)]
+
+
+def warm(device, i, n, configs, fla=True) -> None:
+    """Compile what ``--time --quick`` (the given configs) and the documented ``rlseq.bench kernels`` command use
+    (share i of n). The default config depends on B, so the bench shapes run at their own B."""
+    from rlseq.bench.kernels import make_inputs
+
+    jobs = [("triton", B, T, D, dt, None) for B, T, D in ((8, 256, 64), (64, 256, 64), (8, 256, 32), (64, 256, 16),
+                                                          (16, 1024, 64)) for dt in (torch.float32, torch.bfloat16)]
+    jobs += [("triton", 2, 256, 64, torch.float32, c) for c in configs if c is not None]
+    if fla:
+        jobs += [(fl, 2, T, D, None, None) for T, D in ((256, 64), (256, 32), (256, 16), (1024, 64))
+                 for fl in ("fla_chunk", "fla_recurrent")]
+    for kind, B, T, D, dt, cfg in jobs[i::n]:
+        t0 = time.time()
+        try:
+            if kind == "triton":
+                inp = make_inputs(B, T, 4, D, "efla", device)
+                x = {f: (inp[f].to(dt) if f != "initial_state" else inp[f]).requires_grad_() for f in FIELDS}
+                with torch.no_grad():
+                    chunk_triton(*(x[f] for f in FIELDS[:4]), rule="efla", initial_state=x["initial_state"],
+                                 resets=inp["resets"], config=cfg)
+                o, s = chunk_triton(*(x[f] for f in FIELDS[:4]), rule="efla", initial_state=x["initial_state"],
+                                    resets=inp["resets"], config=cfg)
+                (o.float().sum() + s.sum()).backward()
+            else:
+                from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
+
+                fn, dt = (chunk_delta_rule, torch.bfloat16) if kind == "fla_chunk" else \
+                    (fused_recurrent_delta_rule, torch.float32)
+                inp = make_inputs(B, T, 4, D, "deltanet", device)
+                x = {f: inp[f].to(dt if f != "initial_state" else torch.float32).requires_grad_() for f in FIELDS}
+                with torch.no_grad():
+                    fn(*(x[f] for f in FIELDS[:4]), scale=1.0, initial_state=x["initial_state"], output_final_state=True)
+                o, s = fn(*(x[f] for f in FIELDS[:4]), scale=1.0, initial_state=x["initial_state"],
+                          output_final_state=True)
+                (o.float().sum() + s.sum()).backward()
+            torch.cuda.synchronize()
+            print(f"warm {kind} T{T} D{D} {dt} {cfg}: {time.time() - t0:.0f}s", flush=True)
+        except Exception as e:
+            print(f"warm {kind} T{T} D{D} {dt} {cfg}: ERROR {type(e).__name__}: {str(e)[:160]}", flush=True)
 
 
 def main(argv=None):
@@ -153,25 +236,28 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true",
                    help="default config only, fp32, shapes 0 and 2, both rules, step at K=V=64 with 2/4/8 warps")
     p.add_argument("--time-configs", type=int, nargs="*", default=None, help="indices of the configs to time")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness sweep (e.g. with --time)")
+    p.add_argument("--no-fla", action="store_true", help="--warm: skip the fla kernels")
+    p.add_argument("--warm", type=int, nargs=2, default=None, metavar=("I", "N"), help="compile share I of N, then exit")
     a = p.parse_args(argv)
     device = torch.device("cuda")
     import triton
 
     log = open(a.log, "w") if a.log else sys.stdout
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
-    base = dict(chunk_size=32, num_warps=4, num_stages=1, mode="inline", prec="ieee")
-    configs = [base] + [dict(base, chunk_size=bt, num_warps=nw, num_stages=ns, mode=m)
-                        for bt, nw, ns, m in [(16, 4, 1, "inline"), (64, 4, 1, "inline"), (32, 2, 1, "inline"),
-                                              (32, 8, 1, "inline"), (16, 2, 1, "inline"), (16, 8, 1, "inline"),
-                                              (64, 8, 1, "inline"), (32, 4, 2, "inline"), (32, 4, 3, "inline"),
-                                              (16, 4, 1, "prep"), (32, 4, 1, "prep"), (64, 8, 1, "prep")]]
-    configs.append(dict(base, prec="tf32"))
+    configs = time_configs()
+    if a.warm is not None:
+        warm(device, *a.warm, configs if a.time_configs is None else [configs[i] for i in a.time_configs],
+             fla=not a.no_fla)
+        return
     t0 = time.time()
-    if a.quick:
-        rows, worst = correctness(device, log, configs[:1], shapes=[SHAPES[0], SHAPES[2]], dtypes=(torch.float32,),
+    if a.no_check:
+        rows, worst = [], {}
+    elif a.quick:  # the default config (None: V blocks of 16 at these small B) and V blocks of 32 (at D64)
+        rows, worst = correctness(device, log, [None, configs[2]], shapes=[SHAPES[0], SHAPES[2]], dtypes=(torch.float32,),
                                   step_warps=(2, 4, 8), step_dims=((64, 64),))
     else:
-        rows, worst = correctness(device, log, configs)
+        rows, worst = correctness(device, log, [None] + configs[1:])
     n_fail = sum(not ok for ok, _ in rows)
     print(f"correctness: {len(rows) - n_fail}/{len(rows)} OK in {time.time() - t0:.0f}s", flush=True)
     for ok, line in rows:
@@ -183,10 +269,9 @@ def main(argv=None):
         tc = configs if a.time_configs is None else [configs[i] for i in a.time_configs]
         res = timing(device, log, tc, [(8, 256, 4, 64), (64, 256, 4, 64)] if a.quick else
                      [(8, 256, 4, 64), (64, 256, 4, 64), (64, 256, 4, 16)])
-        print("| shape | config | fwd us | fwd+bwd us |")
-        for shape, cfg, tf, tfb in sorted(res, key=lambda r: (r[0], r[3])):
-            c = f"C{cfg['chunk_size']} w{cfg['num_warps']} s{cfg['num_stages']} {cfg['mode']} {cfg['prec']}"
-            print(f"| {shape} | {c} | {tf * 1e3:.0f} | {tfb * 1e3:.0f} |")
+        print("| shape | config | fwd us | fwd+bwd us | regs/spills (fwd; bwd) |")
+        for shape, cfg, tf, tfb, rs in sorted(res, key=lambda r: (r[0], r[3])):
+            print(f"| {shape} | {describe(cfg, shape[1], shape[3], shape[3], shape[0], shape[2])} | {tf * 1e3:.0f} | {tfb * 1e3:.0f} | {rs} |")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,8 @@ def chunk_triton(
     and the final state in float32. Differentiable with respect to q, k, v, beta and initial_state.
 
     ``config`` overrides :func:`rlseq.kernels.triton_chunk.default_config` (chunk_size ∈ {16, 32, 64},
-    num_warps, num_stages, mode ∈ {"inline", "prep"}, prec ∈ {"ieee", "tf32"}); for benchmarks and GPU checks.
+    num_warps, num_stages, mode ∈ {"inline", "prep"}, prec ∈ {"ieee", "tf32"}, block_v: V block, a power of two ≥ 16
+    or None for one block); for benchmarks and GPU checks.
     """
     check_rule(rule)
     if q.dtype == torch.float64:
@@ -47,7 +48,7 @@ def chunk_triton(
     V = v.shape[-1]
     if max(K, V) > MAX_HEAD_DIM:
         raise ValueError(f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got K={K}, V={V}")
-    cfg = default_config(T, K, V)
+    cfg = default_config(T, K, V, B, H)
     if config:
         cfg.update(config)
     q, k, v, beta = (_contig(x) for x in (q, k, v, beta))
