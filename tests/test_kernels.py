@@ -148,6 +148,25 @@ def test_zero_keys_and_zero_beta_leave_the_state_alone():
         assert torch.equal(s0, inp["initial_state"])
 
 
+def test_deltanet_with_beta_beyond_2_takes_the_row_substitution_path():
+    """β > 2 (eigenvalues below -1) is outside the range where the float64 product form is safe."""
+    inp = random_inputs(2, 12, 2, 16, 8, rule="deltanet", beta_max=5.0, generator=_gen(18))
+    inp["beta"][:, :, 0] = 4.5
+    inp["k"][:, :, 0] = inp["k"][:, :1, 0]  # repeated unit keys: |A_ij| = β_i = 4.5 > 2
+    import rlseq.kernels.chunk as chunk
+
+    calls = []
+    real = chunk._unit_lower_inverse_rows
+    chunk._unit_lower_inverse_rows = lambda a: calls.append(1) or real(a)
+    try:
+        o_ref, s_ref = _call(inp, "deltanet", "reference")
+        o, s = _call(inp, "deltanet", "torch", chunk_size=16)
+    finally:
+        chunk._unit_lower_inverse_rows = real
+    assert calls, "the row-substitution fallback was not taken"
+    assert rel_err(o, o_ref) < 1e-9 and rel_err(s, s_ref) < 1e-9
+
+
 @pytest.mark.parametrize("rule", RULES)
 def test_large_beta(rule):
     inp = random_inputs(2, 33, 2, 16, 16, rule=rule, beta_max=50.0 if rule == "efla" else 1.9, generator=_gen(7))
