@@ -76,7 +76,15 @@ def time_backend(inp: dict[str, torch.Tensor], rule: str, backend: str, repeats:
         return chunk_rule(leaves["q"], leaves["k"], leaves["v"], leaves["beta"], rule=rule,
                           initial_state=leaves["initial_state"], resets=inp["resets"], backend=backend)
 
-    grad_o = torch.randn_like(inp["v"])
+    warmup = 1 if backend == "reference" else 3
+    return time_forward_backward(forward, list(leaves.values()), device, warmup, repeats)
+
+
+def time_forward_backward(forward, leaves: list[torch.Tensor], device: torch.device, warmup: int, repeats: int):
+    """(forward ms, forward+backward ms, output) of ``forward() -> (o, final_state)`` with random output
+    gradients; the forward alone runs under ``no_grad``."""
+    o, _ = forward()
+    grad_o = torch.randn_like(o)
 
     def forward_backward():
         o, s = forward()
@@ -86,9 +94,8 @@ def time_backend(inp: dict[str, torch.Tensor], rule: str, backend: str, repeats:
         with torch.no_grad():
             return forward()
 
-    warmup = 1 if backend == "reference" else 3
     fwd = _time(forward_only, device, warmup, repeats)
-    both = _time(forward_backward, device, warmup, repeats, grads=list(leaves.values()))
+    both = _time(forward_backward, device, warmup, repeats, grads=leaves)
     with torch.no_grad():
         o, _ = forward()
     return fwd, both, o
@@ -152,21 +159,7 @@ def time_fla(inp: dict[str, torch.Tensor], backend: str, leaves: dict[str, torch
     def forward():
         return fn(x["q"], x["k"], x["v"], x["beta"], scale=1.0, initial_state=x["initial_state"], output_final_state=True)
 
-    grad_o = torch.randn_like(x["v"])
-
-    def forward_backward():
-        o, s = forward()
-        torch.autograd.backward([o, s], [grad_o, torch.ones_like(s)])
-
-    def forward_only():
-        with torch.no_grad():
-            return forward()
-
-    fwd = _time(forward_only, device, 3, 20)
-    both = _time(forward_backward, device, 3, 20, grads=list(x.values()))
-    with torch.no_grad():
-        o, _ = forward()
-    return fwd, both, o
+    return time_forward_backward(forward, list(x.values()), device, 3, 20)
 
 
 def chunk_rows(args, device, backends, repeats) -> None:

@@ -1,0 +1,32 @@
+"""The benchmark entry points run and print their tables (numbers are not asserted: speed lives in benchmarks)."""
+
+from __future__ import annotations
+
+import re
+
+from rlseq.bench.__main__ import main as bench_main
+
+
+def test_bench_kernels_prints_a_row_per_backend_with_the_oracle_error(capsys):
+    bench_main(["kernels", "--batch", "1", "--head-dim", "16", "--steps", "20", "--heads", "1",
+                "--backends", "reference", "torch", "--repeats", "1"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 1 | 20 |")]
+    assert len(rows) == 2 and "reference" in rows[0] and "torch" in rows[1]
+    err = float(rows[1].split("|")[-2])
+    assert err < 1e-5  # float32 against the float64 oracle
+
+
+def test_bench_train_prints_throughput_and_the_phase_breakdown(capsys):
+    bench_main(["train", "--variants", "rlseq-none", "rlseq-efla", "--n-envs", "2", "--n-steps", "8",
+                "--n-minibatches", "2", "--n-epochs", "1", "--num-threads", "0", "--warmup", "1", "--rollouts", "1",
+                "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert re.search(r"\| rlseq-efla \| [\d,]+ \| [\d.]+x \|", out)
+    assert "train_backward" in out and "| rlseq-none |" in out
+
+
+def test_bench_envs_prints_the_wrapper_overhead(capsys):
+    bench_main(["envs", "--n-envs", "4", "--steps", "10", "--warmup", "2", "--repeats", "2", "--num-threads", "0"])
+    out = capsys.readouterr().out
+    assert "steps/s" in out and "%" in out
