@@ -315,3 +315,111 @@ def test_torch_stays_accurate_when_unit_keys_repeat_with_saturated_gates(rule):
     for chunk in (16, 64):
         o, s = chunk_rule(q.float(), k.float(), v.float(), beta.float(), rule=rule, backend="torch", chunk_size=chunk)
         assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+
+
+# --- the torch backend's hand-written backward (chunk._ChunkFunction) -----------------------------------
+
+
+def _grads_torch_vs_reference(inp, rule, chunk, dtype=torch.float64, with_h0=True):
+    """Gradients of a random loss on (o, S_T) w.r.t. q, k, v, β, h0: torch backend in ``dtype`` and the float64
+    oracle (autograd through the step loop) on the same (rounded) inputs."""
+    names = FIELDS if with_h0 else FIELDS[:4]
+    out = {}
+    for backend, dt in (("reference", torch.float64), ("torch", dtype)):
+        leaves = {n: (inp[n].to(dt) if n != "initial_state" else inp[n].to(torch.float64 if dt == torch.float64 else torch.float32))
+                  for n in names}
+        leaves = {n: x.detach().double().requires_grad_() if backend == "reference" else x.detach().requires_grad_()
+                  for n, x in leaves.items()}
+        o, s = chunk_rule(leaves["q"], leaves["k"], leaves["v"], leaves["beta"], rule=rule,
+                          initial_state=leaves.get("initial_state"), resets=inp["resets"], backend=backend, chunk_size=chunk)
+        go = torch.randn(o.shape, generator=_gen(21), dtype=torch.float64).to(o.dtype)
+        gs = torch.randn(s.shape, generator=_gen(22), dtype=torch.float64).to(s.dtype)
+        out[backend] = dict(zip(names, torch.autograd.grad((o * go).sum() + (s * gs).sum(), [leaves[n] for n in names])))
+    return out["reference"], out["torch"]
+
+
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("T,chunk,K,V", [(64, 16, 16, 8), (45, 32, 16, 24), (100, 32, 8, 16), (37, 64, 24, 16), (7, 16, 16, 16)])
+def test_torch_backward_matches_reference_float64(rule, T, chunk, K, V):
+    """Resets inside chunks and at a chunk boundary (t = 16), T not a multiple of the chunk, K ≠ V."""
+    inp = random_inputs(2, T, 3, K, V, rule=rule, reset_prob=0.08, generator=_gen(hash((rule, T, chunk)) % 2**31))
+    if T > 2 * chunk:
+        inp["resets"][1, chunk] = True  # a reset exactly at a chunk boundary in the second sequence too
+    ref, got = _grads_torch_vs_reference(inp, rule, chunk)
+    for name in ref:
+        assert got[name].dtype == torch.float64
+        assert torch.isfinite(got[name]).all(), name
+        assert rel_err(got[name], ref[name]) < 1e-10, (name, rel_err(got[name], ref[name]))
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_torch_backward_without_resets_or_initial_state(rule):
+    inp = random_inputs(2, 50, 2, 16, 16, rule=rule, generator=_gen(23))
+    inp["resets"] = None
+    ref, got = _grads_torch_vs_reference(inp, rule, 16, with_h0=False)
+    for name in ref:
+        assert rel_err(got[name], ref[name]) < 1e-10, name
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_torch_backward_with_zero_keys_zero_beta_and_resets_everywhere(rule):
+    inp = random_inputs(2, 40, 2, 16, 8, rule=rule, generator=_gen(24))
+    inp["k"][:, 5:12] = 0.0
+    inp["k"][1, 30] = 0.0
+    inp["beta"][:, 20:23] = 0.0
+    inp["resets"][0, 16:20] = True  # consecutive resets starting at a chunk boundary
+    inp["resets"][1, ::5] = True
+    ref, got = _grads_torch_vs_reference(inp, rule, 16)
+    for name in ref:
+        assert torch.isfinite(got[name]).all(), name
+        assert rel_err(got[name], ref[name]) < 1e-9, name
+    if rule == "efla":  # zero keys still carry a gradient (β v enters linearly)
+        assert got["k"][:, 5:12].abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_torch_backward_float32_against_float64_oracle(rule):
+    inp = random_inputs(3, 90, 4, 32, 32, rule=rule, generator=_gen(25))
+    for chunk in (16, 32):
+        ref, got = _grads_torch_vs_reference(inp, rule, chunk, dtype=torch.float32)
+        for name in ref:
+            assert got[name].dtype == torch.float32
+            assert rel_err(got[name], ref[name]) < 1e-4, (chunk, name, rel_err(got[name], ref[name]))
+
+
+def test_torch_backward_efla_gate_at_tiny_and_huge_step_lengths():
+    """βλ on both sides of φ's Taylor switch (0.1) and saturated gates: the hand-chained gate gradient."""
+    g = _gen(26)
+    B, T, H, K, V = 2, 40, 2, 8, 8
+    inp = random_inputs(B, T, H, K, V, rule="efla", key_norms=(1e-3, 30.0), beta_max=4.0, generator=g)
+    inp["beta"][:, :10] = 1e-7
+    inp["beta"][:, 10:20] = 0.099 / (inp["k"][:, 10:20] ** 2).sum(-1)  # βλ just below the switch
+    inp["beta"][:, 20:25] = 0.101 / (inp["k"][:, 20:25] ** 2).sum(-1)  # and just above
+    ref, got = _grads_torch_vs_reference(inp, "efla", 16)
+    for name in ref:
+        assert rel_err(got[name], ref[name]) < 1e-9, name
+
+
+def test_torch_backward_gradcheck_small():
+    inp = random_inputs(1, 11, 1, 4, 3, rule="efla", key_norms=(0.3, 3.0), generator=_gen(27))
+    inp["resets"][0, 6] = True
+    args = [inp[n].clone().requires_grad_() for n in FIELDS]
+
+    def f(q, k, v, beta, s0):
+        return chunk_rule(q, k, v, beta, rule="efla", initial_state=s0, resets=inp["resets"], backend="torch", chunk_size=4)
+
+    assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_torch_backward_accepts_non_contiguous_inputs_and_unused_outputs():
+    inp = random_inputs(2, 20, 2, 8, 8, rule="efla", generator=_gen(28))
+    big = torch.randn(2, 20, 2, 24, dtype=torch.float64, generator=_gen(29))
+    q, k, v = (big[..., i * 8 : (i + 1) * 8].clone().requires_grad_() for i in range(3))
+    q_nc, k_nc, v_nc = (x.transpose(0, 1).contiguous().transpose(0, 1) for x in (q, k, v))
+    assert not q_nc.is_contiguous()
+    o, s = chunk_rule(q_nc, k_nc, v_nc, inp["beta"], rule="efla", resets=inp["resets"], backend="torch", chunk_size=8)
+    o_ref, _ = chunk_rule(q, k, v, inp["beta"], rule="efla", resets=inp["resets"], backend="reference")
+    assert rel_err(o, o_ref) < 1e-10
+    (gq,) = torch.autograd.grad(o.sum(), [q])  # the final state unused: its gradient is zero
+    (gq_ref,) = torch.autograd.grad(o_ref.sum(), [q])
+    assert rel_err(gq, gq_ref) < 1e-10

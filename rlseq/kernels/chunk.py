@@ -1,17 +1,30 @@
 """The delta rules in chunked (WY) form, in plain PyTorch: the CPU path.
 
 A sequence is cut into chunks of ``C`` steps. Inside a chunk everything is a matrix product or one
-triangular solve, for all chunks at once; only the state is carried from chunk to chunk in a loop of
+triangular inverse, for all chunks at once; only the state is carried from chunk to chunk in a loop of
 ``ceil(T / C)`` steps. Episode starts inside a chunk are handled by segment masks (efla.md §3), so one
-call covers any number of episodes per sequence. Autograd differentiates it.
+call covers any number of episodes per sequence.
+
+Per chunk, with the unit-key gate ``(k̂, g, w)`` of :func:`rlseq.kernels.rules.unit_key_form`,
+``A = StrictLower(diag(g) K̂K̂ᵀ) ⊙ same`` and ``P = (I + A)⁻¹``:
+
+    D  = P (W − diag(g ⊙ sees) K̂ S₀)                      (in the loop over chunks, batched over B·H)
+    S₁ = carry · S₀ + K̂ᵀ diag(last) D                      (in the loop)
+    O  = diag(sees) Q S₀ + (Lower(Q K̂ᵀ) ⊙ same) D          (all chunks at once, after the loop)
+
+:class:`_ChunkFunction` differentiates this by hand, gate included (the Triton backward's equations,
+docs/triton_notes.md): the backward walks the chunks in reverse carrying ``dS``
+(``dR = Pᵀ(QKᵀ dO) + Pᵀ diag(last) K̂ dS₁``, ``dS₀ = carry dS₁ + Qᵀ diag(sees) dO − (g sees K̂)ᵀ dR``,
+two small products per chunk), and batches everything else over all chunks.
 """
 
 from __future__ import annotations
 
+
 import torch
 import torch.nn.functional as F
 
-from rlseq.kernels.rules import unit_key_form
+from rlseq.kernels.rules import check_rule, unit_key_form, unit_key_scales, unit_key_gate_backward
 
 
 def segment_masks(resets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -38,52 +51,247 @@ def _unit_lower_inverse_rows(a: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows, -2)
 
 
+_MASKS: dict = {}
+
+
+def _block_masks(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """For ``n ≤ 16``: the mask of the 4×4 diagonal blocks, and for b = 4, 8 (while b < n) the mask of the
+    b×b blocks just below the diagonal inside each 2b×2b diagonal block (cached)."""
+    key = (n, dtype, device)
+    if key not in _MASKS:
+        i = torch.arange(n, device=device)
+        r, c = i[:, None], i[None, :]
+        bd4 = (r // 4 == c // 4).to(dtype)
+        offs = [((r // (2 * b) == c // (2 * b)) & (r // b != c // b)).to(dtype) for b in (4, 8) if b < n]
+        _MASKS[key] = (bd4, offs)
+    return _MASKS[key]
+
+
 def _unit_lower_inverse_block(a: torch.Tensor) -> torch.Tensor:
-    """``(I + A)⁻¹`` for the 16×16 diagonal blocks ``a [..., 16, 16]``.
+    """``(I + A)⁻¹`` for diagonal blocks ``a [..., n, n]`` with ``n ≤ 16`` and every ``|A_ij| ≤ 2``, in the dtype of ``a``.
 
-    When every ``|A_ij| ≤ 2`` (always for EFLA, whose unit-key gates are below 1, and for DeltaNet with
-    β ≤ 2) the product form ``(I - A)(I + A²)(I + A⁴)(I + A⁸)`` in float64 is exact to ~1e-8 at worst:
-    its intermediate sums are bounded by ``(1 + 2)^15 ≈ 1.4e7``. That is 11 batched products instead of 15
-    dependent row updates. Larger entries fall back to row-by-row substitution.
+    4×4 diagonal blocks by the product form ``(I − A)(I + A²)``: its intermediate sums are bounded by
+    ``(1 + 2)^3 = 27`` times the entries, so it cannot cancel badly. Then recursive doubling, which is the
+    blocked triangular inverse: with ``P_b`` the inverse of the b×b diagonal blocks and ``A_b`` the part of A
+    in the b×b blocks just below them (inside each 2b block), ``P_2b = P_b − P_b A_b P_b`` (exact: ``P_b A_b``
+    is nilpotent of order 2). Six batched products of n×n matrices in all, no product form over a whole chunk.
     """
-    if a.abs().amax() > 2:  # one host sync; this is the CPU path
-        return _unit_lower_inverse_rows(a)
-    x = a.double()
-    n = x.shape[-1]
-    p = -x
-    inv = p + torch.eye(n, dtype=x.dtype, device=x.device)
-    span = 2
-    while span < n:
-        p = p @ p
-        inv = inv + inv @ p
-        span *= 2
-    return inv.to(a.dtype)
+    n = a.shape[-1]
+    lead = a.shape[:-2]
+    x = a.reshape(-1, n, n)
+    bd4, offs = _block_masks(n, a.dtype, a.device)
+    # three work buffers, reused through out= (fresh large allocations page-fault on the CPU)
+    a4 = x * bd4
+    ia = torch.sub(torch.eye(n, dtype=a.dtype, device=a.device), a4)
+    sq = torch.bmm(a4, a4)
+    p = torch.baddbmm(ia, ia, sq, out=a4)
+    t, u = ia, sq
+    for off in offs:
+        torch.mul(x, off, out=t)
+        torch.bmm(t, p, out=u)
+        p, t = torch.baddbmm(p, p, u, alpha=-1, out=t), p
+    return p.view(*lead, n, n)
 
 
-def solve_unit_lower(a: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
-    """``(I + A)⁻¹ rhs`` for strictly lower-triangular ``a [..., C, C]`` and ``rhs [..., C, D]``.
+def unit_lower_inverse(a: torch.Tensor, *, bounded: bool = False) -> torch.Tensor:
+    """``(I + A)⁻¹`` for strictly lower-triangular ``a [..., C, C]``.
 
-    Blocked forward substitution: the 16×16 diagonal blocks are inverted (for all blocks of all chunks at
-    once, see :func:`_unit_lower_inverse_block`), then block rows are eliminated with matrix products. Over
-    a whole chunk the product form ``Π (I + (-A)^{2^j})`` would be unusable: its powers of A reach binomial
-    sizes (≈1e18 for C = 64) when unit keys repeat with gates near 1, and cancel catastrophically. On the CPU it is also several times
-    faster than a batched LAPACK triangular solve, which pays a call per small matrix. ``C`` must be a
-    multiple of 16 or at most 16.
+    The 16×16 diagonal blocks are inverted for all blocks of all chunks at once (4×4 product form and recursive doubling,
+    :func:`_unit_lower_inverse_block`), then the blocks below the diagonal by blocked forward substitution
+    (``P_ij = −P_ii Σ_m A_im P_mj``, one block row at a time). Over a whole chunk the product form
+    ``Π (I + (-A)^{2^j})`` would be unusable: its powers of A reach binomial sizes (≈1e18 for C = 64) when unit
+    keys repeat with gates near 1, and cancel catastrophically. On the CPU this is also faster than a batched
+    LAPACK triangular solve, which pays a call per small matrix. ``C`` must be a multiple of 16 or at most 16.
+    ``bounded=True`` promises ``|A_ij| ≤ 1`` (EFLA's unit keys and gates below 1) and skips the check (a host
+    sync) that sends larger entries to row-by-row substitution.
     """
     C = a.shape[-1]
+    if not bounded and a.abs().amax() > 2:  # one host sync; this is the CPU path
+        return _unit_lower_inverse_rows(a)
     bs = min(C, SOLVE_BLOCK)
     if C % bs:
         raise ValueError(f"chunk length {C} must be a multiple of {SOLVE_BLOCK} or at most {SOLVE_BLOCK}")
     nb = C // bs
-    diag = torch.stack([a[..., i * bs : (i + 1) * bs, i * bs : (i + 1) * bs] for i in range(nb)], -3)
-    inv_diag = _unit_lower_inverse_block(diag)  # [..., nb, bs, bs]
-    xs: list[torch.Tensor] = []
-    for i in range(nb):
-        r = rhs[..., i * bs : (i + 1) * bs, :]
-        if i:
-            r = r - a[..., i * bs : (i + 1) * bs, : i * bs] @ torch.cat(xs, -2)
-        xs.append(inv_diag[..., i, :, :] @ r)
-    return torch.cat(xs, -2)
+    if nb == 1:
+        return _unit_lower_inverse_block(a)
+    lead = a.shape[:-2]
+    blocks = a.view(*lead, nb, bs, nb, bs)
+    inv_diag = _unit_lower_inverse_block(blocks.diagonal(dim1=-4, dim2=-2).movedim(-1, -3))  # [..., nb, bs, bs]
+    p = a.new_zeros(a.shape)
+    pb = p.view(*lead, nb, bs, nb, bs)
+    pb.diagonal(dim1=-4, dim2=-2).copy_(inv_diag.movedim(-3, -1))
+    for i in range(1, nb):
+        rows = slice(i * bs, (i + 1) * bs)
+        p[..., rows, : i * bs] = -(inv_diag[..., i, :, :] @ (a[..., rows, : i * bs] @ p[..., : i * bs, : i * bs]))
+    return p
+
+
+def _bmm(x: torch.Tensor) -> torch.Tensor:
+    """``[..., m, n]`` → ``[batch, m, n]`` (a view for the contiguous chunk tensors)."""
+    return x.reshape(-1, *x.shape[-2:])
+
+
+class _ChunkFunction(torch.autograd.Function):
+    """``(o, S_T)`` from raw ``q, k [B,T,H,K]``, ``v [B,T,H,V]``, ``β [B,T,H]`` and ``h0 [B,H,K,V]`` (or None),
+    all in the compute dtype. The unit-key gate (:func:`rlseq.kernels.rules.unit_key_scales`) is applied inside, and
+    the backward chains it with :func:`rlseq.kernels.rules.unit_key_gate_backward`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, h0, resets, C, efla):
+        q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+        B, T, H, K = k.shape
+        V = v.shape[-1]
+        N = -(-T // C)
+        pad = N * C - T
+        if pad:  # padded steps have β = 0 and k = 0: gate 0, write 0, they leave the state alone
+            q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+            beta = F.pad(beta, (0, 0, 0, pad))
+        dt, dev = k.dtype, k.device
+
+        def cv(x: torch.Tensor) -> torch.Tensor:  # [B, N·C, H, D] → a strided [N, B, H, C, D] view
+            return x.view(B, N, C, H, -1).permute(1, 0, 3, 2, 4)
+
+        c, g, s = unit_key_scales(k, beta, "efla" if efla else "deltanet")
+        if c is None:
+            kc = cv(k).contiguous()
+        else:  # k̂ = c k, written straight into the chunk layout (one pass)
+            kc = torch.empty(N, B, H, C, K, dtype=dt, device=dev)
+            torch.mul(cv(k), cv(c.unsqueeze(-1)), out=kc)
+        wc = torch.empty(N, B, H, C, V, dtype=dt, device=dev)
+        torch.mul(cv(v), cv(s.unsqueeze(-1)), out=wc)
+        qc = cv(q).contiguous()
+        gc = cv(g.unsqueeze(-1)).contiguous()  # [N, B, H, C, 1]
+
+        lower_strict = torch.ones(C, C, dtype=torch.bool, device=dev).tril(-1)
+        lower = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
+        if resets is None:
+            m_strict, m_lower = lower_strict.to(dt), lower.to(dt)
+            sees = last = carry = None
+        else:
+            r = F.pad(resets, (0, pad)) if pad else resets
+            same, sees_b, last_b, carry_b = segment_masks(r.reshape(B, N, C).transpose(0, 1))  # [N, B, ...]
+            same = same.unsqueeze(2)  # broadcast over H
+            m_strict, m_lower = (same & lower_strict).to(dt), (same & lower).to(dt)
+            sees = sees_b.unsqueeze(2).unsqueeze(-1).to(dt)  # [N, B, 1, C, 1]
+            last = last_b.unsqueeze(2).unsqueeze(-1).to(dt)
+            carry = carry_b.to(dt).view(N, B, 1, 1)
+
+        gk = kc * gc
+        gks = gk if sees is None else kc * (gc * sees)
+        kt = kc.transpose(-1, -2)
+        a = (gk @ kt).mul_(m_strict)
+        qk = (qc @ kt).mul_(m_lower)
+        p = unit_lower_inverse(a, bounded=efla)  # EFLA: unit keys and gates in [0, 1] bound every |A_ij| by 1
+        kl = kc if last is None else kc * last
+
+        # the state recurrence, chunk by chunk (batched over B·H): D = P (W − diag(g·sees) K̂ S₀),
+        # S₁ = carry·S₀ + K̂ᵀ diag(last) D. diag(sees) commutes with P (block-diagonal over episodes).
+        BH = B * H
+        states = torch.empty(N + 1, BH, K, V, dtype=dt, device=dev)
+        if h0 is None:
+            states[0].zero_()
+        else:
+            states[0].copy_(h0.reshape(BH, K, V))
+        d = torch.empty(N, BH, C, V, dtype=dt, device=dev)
+        p3, g3, w3 = p.view(N, BH, C, C), gks.view(N, BH, C, K), wc.view(N, BH, C, V)
+        klt3 = kl.view(N, BH, C, K).transpose(-1, -2)
+        r_buf = torch.empty(BH, C, V, dtype=dt, device=dev)
+        s_buf = torch.empty(BH, K, V, dtype=dt, device=dev)
+        for n in range(N):
+            torch.bmm(p3[n], torch.baddbmm(w3[n], g3[n], states[n], alpha=-1, out=r_buf), out=d[n])
+            s_in = states[n]
+            if carry is not None:
+                s_in = torch.mul(states[n].view(B, H * K * V), carry[n].view(B, 1), out=s_buf.view(B, H * K * V)).view(BH, K, V)
+            torch.baddbmm(s_in, klt3[n], d[n], out=states[n + 1])
+        s0 = states[:N].view(N, B, H, K, V)
+        d = d.view(N, B, H, C, V)
+        o = qc @ s0
+        if sees is not None:
+            o.mul_(sees)
+        _bmm(o).baddbmm_(_bmm(qk), _bmm(d))
+        out = torch.empty(B, N * C, H, V, dtype=dt, device=dev)
+        cv(out).copy_(o)
+        final = states[N].view(B, H, K, V)
+
+        ctx.save_for_backward(qc, kc, gc, gk, gks, kl, p, qk, d, states, carry, m_strict, m_lower, sees, last,
+                              k, v, beta, s)
+        ctx.dims = (B, T, H, K, V, N, C)
+        ctx.efla = efla
+        ctx.h0_none = h0 is None
+        return out[:, :T] if pad else out, final
+
+    @staticmethod
+    def backward(ctx, do, dsT):
+        (qc, kc, gc, gk, gks, kl, p, qk, d, states, carry, m_strict, m_lower, sees, last,
+         k, v, beta, s) = ctx.saved_tensors
+        B, T, H, K, V, N, C = ctx.dims
+        dt, dev = kc.dtype, kc.device
+        Tp = N * C
+
+        def cv(t: torch.Tensor) -> torch.Tensor:
+            return t.view(B, N, C, H, -1).permute(1, 0, 3, 2, 4)
+
+        do = do.to(dt)
+        if Tp != T:
+            do = F.pad(do, (0, 0, 0, 0, 0, Tp - T))
+        doc = cv(do.contiguous()).contiguous()  # [N, B, H, C, V]
+        dos = doc if sees is None else doc * sees
+        s0 = states[:N].view(N, B, H, K, V)
+        pt = p.transpose(-1, -2)
+        # dR = Pᵀ dD,  dD = (QK)ᵀ dO + diag(last) K̂ dS₁  →  dR = X + Y dS₁
+        xx = pt @ (qk.transpose(-1, -2) @ doc)  # [N, B, H, C, V]
+        y = pt @ kl  # [N, B, H, C, K]
+        z = (qc.transpose(-1, -2) @ dos).view(N, B * H, K, V)  # Qᵀ diag(sees) dO
+        # reverse walk: dR = X + Y dS₁,  dS₀ = carry dS₁ + Qᵀ diag(sees) dO − (g sees K̂)ᵀ dR
+        BH = B * H
+        ds = torch.empty(N + 1, BH, K, V, dtype=dt, device=dev)
+        if dsT is None:
+            ds[N].zero_()
+        else:
+            ds[N].copy_(dsT.reshape(BH, K, V))
+        dr = torch.empty(N, BH, C, V, dtype=dt, device=dev)
+        x3, y3, g3t = xx.view(N, BH, C, V), y.view(N, BH, C, K), gks.reshape(N, BH, C, K).transpose(-1, -2)
+        acc = torch.empty(BH, K, V, dtype=dt, device=dev)
+        for n in range(N - 1, -1, -1):
+            torch.baddbmm(x3[n], y3[n], ds[n + 1], out=dr[n])
+            if carry is None:
+                torch.add(z[n], ds[n + 1], out=acc)
+            else:
+                torch.addcmul(z[n].view(B, -1), ds[n + 1].view(B, -1), carry[n].view(B, 1), out=acc.view(B, -1))
+            torch.baddbmm(acc, g3t[n], dr[n], alpha=-1, out=ds[n])
+        ds1 = ds[1:].view(N, B, H, K, V)  # the gradient of each chunk's leaving state
+        dr = dr.view(N, B, H, C, V)  # = ∂L/∂W (unit-key values)
+        dtr = d.transpose(-1, -2)
+        dqk = (doc @ dtr).mul_(m_lower)
+        dqc = dqk @ kc
+        dqc.view(-1, C, K).baddbmm_(_bmm(dos), _bmm(s0).transpose(-1, -2))
+        da = (dr @ dtr).mul_(m_strict)  # = −∂L/∂A
+        drs = dr if sees is None else dr * sees
+        ngk = da @ kc  # = −∂L/∂(g K̂)
+        ngk.view(-1, C, K).baddbmm_(_bmm(drs), _bmm(s0).transpose(-1, -2))
+        dl = d if last is None else d * last
+        dkh = dqk.transpose(-1, -2) @ qc
+        dkh3 = dkh.view(-1, C, K)
+        dkh3.baddbmm_(_bmm(dl), _bmm(ds1).transpose(-1, -2))
+        dkh3.baddbmm_(_bmm(da).transpose(-1, -2), _bmm(gk), alpha=-1)
+        dkh.addcmul_(gc, ngk, value=-1)  # = ∂L/∂K̂
+        dg = -(ngk * kc).sum(-1)  # = ∂L/∂g  [N, B, H, C]
+
+        def to_bth(t: torch.Tensor) -> torch.Tensor:  # [N, B, H, C] → [B, N·C, H]
+            return t.permute(1, 0, 3, 2).reshape(B, Tp, H)
+
+        dq = torch.empty(B, Tp, H, K, dtype=dt, device=dev)
+        cv(dq).copy_(dqc)
+        dv = torch.empty(B, Tp, H, V, dtype=dt, device=dev)
+        torch.mul(dr, cv(s.unsqueeze(-1)), out=cv(dv))
+        dsw = to_bth((dr * cv(v)).sum(-1))  # ∂L/∂s for w = s v
+        dkh_bth = torch.empty(B, Tp, H, K, dtype=dt, device=dev)
+        cv(dkh_bth).copy_(dkh)
+        dk, dbeta = unit_key_gate_backward(k, beta, "efla" if ctx.efla else "deltanet", dkh_bth, to_bth(dg), dsw)
+        dh0 = None if ctx.h0_none else ds[0].view(B, H, K, V)
+        if Tp != T:
+            dq, dk, dv, dbeta = dq[:, :T], dk[:, :T], dv[:, :T], dbeta[:, :T]
+        return dq, dk, dv, dbeta, dh0, None, None, None
 
 
 def chunk_torch(
@@ -99,60 +307,15 @@ def chunk_torch(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked delta rule. Shapes as :func:`rlseq.kernels.chunk_rule`; computes in float32 (float64 for
     float64 inputs) and returns ``o`` in the input dtype and the final state in the compute dtype."""
-    B, T, H, K = k.shape
-    V = v.shape[-1]
+    check_rule(rule)
+    T = k.shape[1]
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     # chunks longer than one solve block are whole blocks (padding rows are inert)
     C = max(1, min(chunk_size, T if T <= SOLVE_BLOCK else -(-T // SOLVE_BLOCK) * SOLVE_BLOCK))
     if C > SOLVE_BLOCK and C % SOLVE_BLOCK:
         raise ValueError(f"chunk_size must be a multiple of {SOLVE_BLOCK} (or at most {SOLVE_BLOCK}), got {chunk_size}")
-    N = -(-T // C)
-    pad = N * C - T
-
-    kh, g, w = unit_key_form(k.to(dt), v.to(dt), beta.to(dt), rule)
-    q = q.to(dt)
-    if pad:  # padded steps have gate 0 and write 0: they leave the state alone
-        q, kh, w = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, kh, w))
-        g = F.pad(g, (0, 0, 0, pad))
-
-    def chunked(x: torch.Tensor) -> torch.Tensor:  # [B, N*C, H, D] -> [B, H, N, C, D]
-        return x.view(B, N, C, H, -1).permute(0, 3, 1, 2, 4).contiguous()  # batched solves are slow on strided input
-
-    q, kh, w = chunked(q), chunked(kh), chunked(w)
-    g = g.view(B, N, C, H).permute(0, 3, 1, 2)
-
-    if resets is None:
-        r = torch.zeros(B, N * C, dtype=torch.bool, device=k.device)
-    else:
-        r = F.pad(resets, (0, pad)) if pad else resets
-    same, sees, last, carry = (m.unsqueeze(1) for m in segment_masks(r.view(B, N, C)))  # broadcast over H
-
-    eye = torch.eye(C, dtype=dt, device=k.device)
-    lower_strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
-    # float masks: multiplying is ~15x faster on the CPU than masked_fill with a broadcast mask
-    a = g.unsqueeze(-1) * (kh @ kh.transpose(-1, -2)) * (lower_strict & same).to(dt)
-    # W = (I + A)⁻¹ diag(g) K̂ and U = (I + A)⁻¹ W_v, one inverse for both right-hand sides
-    wu = solve_unit_lower(a, torch.cat([g.unsqueeze(-1) * kh, w], -1))
-    wk, u = wu[..., :K], wu[..., K:]
-    qk = (q @ kh.transpose(-1, -2)) * ((lower_strict | eye.bool()) & same).to(dt)
-    # Rows that do not see the entering state read it through zeroed q and W; rows outside the chunk's last
-    # episode write nothing to the leaving state. With the masks folded in, the serial loop over chunks is
-    # just the state recurrence (2 products); the outputs are computed for all chunks at once afterwards.
-    sees_f = sees.unsqueeze(-1).to(dt)
-    wk = wk * sees_f
-    kh_last = (kh * last.unsqueeze(-1).to(dt)).transpose(-1, -2)  # [B, H, N, K, C]
-    carry_f = carry.to(dt)[..., None, None]
-
-    state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
-    entering, ds = [], []
-    for n in range(N):
-        entering.append(state)
-        d = u[:, :, n] - wk[:, :, n] @ state
-        ds.append(d)
-        state = carry_f[:, :, n] * state + kh_last[:, :, n] @ d
-    o = (q * sees_f) @ torch.stack(entering, 2) + qk @ torch.stack(ds, 2)  # [B, H, N, C, V]
-    o = o.permute(0, 2, 3, 1, 4).reshape(B, N * C, H, V)[:, :T]
-    return o, state
+    h0 = None if initial_state is None else initial_state.to(dt)
+    return _ChunkFunction.apply(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), h0, resets, C, rule == "efla")
 
 
 def step_torch(

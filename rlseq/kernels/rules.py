@@ -13,11 +13,13 @@ only place where that mapping lives; Triton kernels mirror it element for elemen
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 RULES = ("efla", "deltanet")
 
-# φ(x) = -expm1(-x)/x switches to its Taylor series below this x: the quotient's gradient cancels there.
+# φ'(x) switches to its Taylor series below this |x|: the closed form (e^{-x} - φ)/x cancels there.
 PHI_TAYLOR_BELOW = 0.1
 # Keys with a norm below this are treated as this norm when normalised, which keeps k̂ · w exact (= β φ k)
 # and its gradient finite for exactly zero keys.
@@ -30,17 +32,25 @@ def check_rule(rule: str) -> str:
     return rule
 
 
+class _Phi(torch.autograd.Function):
+    """φ with a hand-written derivative: the quotient's own derivative cancels for small x."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        nz = x != 0
+        ph = torch.where(nz, -torch.expm1(-x) / torch.where(nz, x, 1.0), 1.0)  # expm1 keeps it exact to rounding
+        ctx.save_for_backward(x, ph)
+        return ph
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        x, ph = ctx.saved_tensors
+        return grad * phi_grad(x, ph)
+
+
 def phi(x: torch.Tensor) -> torch.Tensor:
-    """``φ(x) = (1 - e^{-x}) / x`` with ``φ(0) = 1``, accurate with accurate gradients for every ``x ≥ 0``."""
-    small = x < PHI_TAYLOR_BELOW
-    xs = torch.where(small, x, torch.zeros_like(x))
-    # Σ_{n=0..10} (-x)^n / (n+1)! nested as 1 - x/2 (1 - x/3 (1 - ...)); the first dropped term is
-    # x^11/12! < 3e-20 at x = 0.1, so the switch costs nothing even in float64.
-    taylor = torch.ones_like(x)
-    for n in range(10, 0, -1):
-        taylor = 1 - xs / (n + 1) * taylor
-    xl = torch.where(small, torch.ones_like(x), x)  # keep the unused branch finite so its gradient is too
-    return torch.where(small, taylor, -torch.expm1(-xl) / xl)
+    """``φ(x) = (1 - e^{-x}) / x`` with ``φ(0) = 1``, exact to rounding, with an accurate gradient (:func:`phi_grad`)."""
+    return _Phi.apply(x)
 
 
 def step_size(k: torch.Tensor, beta: torch.Tensor, rule: str) -> torch.Tensor:
@@ -51,22 +61,71 @@ def step_size(k: torch.Tensor, beta: torch.Tensor, rule: str) -> torch.Tensor:
     return beta * phi(beta * lam)
 
 
+def unit_key_scales(
+    k: torch.Tensor, beta: torch.Tensor, rule: str
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """The rule-specific part of the unit-key form: ``(c, g, s)`` with ``k̂ = c k`` and the written value ``w = s v``.
+
+    Shapes: ``k: [..., K]``, ``beta: [...]`` → ``c: [...]`` (None: 1), ``g: [...]``, ``s: [...]``.
+
+    - ``deltanet``: ``c = 1``, ``g = β``, ``s = β``.
+    - ``efla``: ``c = 1/‖k‖``, ``g = 1 - e^{-βλ} ∈ [0, 1)``, ``s = β ‖k‖ φ(βλ)`` (so ``w = g v / ‖k‖``, finite for
+      any key norm). With unit keys the transition's eigenvalue ``1 - g`` stays in ``(0, 1]``, and the WY
+      triangular solve stays well conditioned whatever the raw key norms are.
+    """
+    if rule == "deltanet":
+        return None, beta, beta
+    lam = (k * k).sum(-1)
+    norm = lam.clamp_min(MIN_KEY_NORM**2).sqrt()  # clamp before sqrt: its gradient at 0 is inf
+    x = beta * lam
+    ph = phi(x)
+    return 1 / norm, x * ph, beta * norm * ph
+
+
 def unit_key_form(
     k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, rule: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Map raw inputs to the unit-key form ``(k̂, g, w)`` used by the chunked and step kernels.
 
     Shapes: ``k: [..., K]``, ``v: [..., V]``, ``beta: [...]`` → ``k̂: [..., K]``, ``g: [...]``, ``w: [..., V]``.
+    See :func:`unit_key_scales`: ``k̂ = c k``, ``w = s v``.
+    """
+    c, g, s = unit_key_scales(k, beta, rule)
+    return (k if c is None else c.unsqueeze(-1) * k), g, s.unsqueeze(-1) * v
 
-    - ``deltanet``: ``k̂ = k``, ``g = β``, ``w = β v``.
-    - ``efla``: ``k̂ = k/‖k‖``, ``g = 1 - e^{-βλ} ∈ [0, 1)``, ``w = β ‖k‖ φ(βλ) v`` (= ``g v / ‖k‖``, finite for any
-      key norm). With unit keys the transition's eigenvalue ``1 - g`` stays in ``(0, 1]``, and the WY triangular
-      solve stays well conditioned whatever the raw key norms are.
+
+def phi_grad(x: torch.Tensor, ph: torch.Tensor) -> torch.Tensor:
+    """``φ'(x)`` for ``x ≥ 0`` given ``ph = φ(x)``: ``(e^{-x} - φ)/x``, and below ``PHI_TAYLOR_BELOW`` (where
+    that cancels) its Taylor series ``Σ_{n≥1} (-1)ⁿ n xⁿ⁻¹/(n+1)!``."""
+    small = x.abs() < PHI_TAYLOR_BELOW
+    xs = torch.where(small, x, 0.0)
+    terms = 12 if x.dtype == torch.float64 else 7  # first dropped term < 1e-18 (float64) / 1e-9 (float32) at 0.1
+    coef = [(-1) ** n * n / math.factorial(n + 1) for n in range(1, terms + 1)]
+    taylor = torch.full_like(x, coef[-1])
+    for c in reversed(coef[:-1]):
+        taylor = taylor * xs + c
+    xl = torch.where(small, 1.0, x)
+    return torch.where(small, taylor, (torch.exp(-xl) - ph) / xl)
+
+
+def unit_key_gate_backward(
+    k: torch.Tensor, beta: torch.Tensor, rule: str, d_kh: torch.Tensor, d_g: torch.Tensor, d_s: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain rule of :func:`unit_key_scales` (``k̂ = c k``, ``g``, ``s``) by hand, for kernels with their own
+    backward.
+
+    Given ``∂L/∂k̂ [..., K]``, ``∂L/∂g [...]`` and ``∂L/∂s [...]``, returns ``(∂L/∂k, ∂L/∂β)``. Matches autograd of
+    :func:`unit_key_form` (tested), including exactly zero keys, whose gradient comes from the clamped norm.
     """
     if rule == "deltanet":
-        return k, beta, beta.unsqueeze(-1) * v
+        return d_kh, d_g + d_s
     lam = (k * k).sum(-1)
-    norm = lam.clamp_min(MIN_KEY_NORM**2).sqrt()  # clamp before sqrt: its gradient at 0 is inf
+    norm = lam.clamp_min(MIN_KEY_NORM**2).sqrt()
     x = beta * lam
     ph = phi(x)
-    return k / norm.unsqueeze(-1), x * ph, (beta * norm * ph).unsqueeze(-1) * v
+    kh_dot = (k * d_kh).sum(-1) / norm  # k̂ · ∂L/∂k̂
+    d_norm = d_s * beta * ph - kh_dot / norm  # k̂ = k/n and s = β n φ
+    d_x = d_g * torch.exp(-x) + d_s * beta * norm * phi_grad(x, ph)  # g = 1 − e^{−x}
+    d_beta = d_s * norm * ph + d_x * lam
+    d_lam = d_x * beta + torch.where(lam > MIN_KEY_NORM**2, d_norm / (2 * norm), 0.0)
+    return d_kh / norm.unsqueeze(-1) + (2 * d_lam).unsqueeze(-1) * k, d_beta
