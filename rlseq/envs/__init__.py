@@ -17,8 +17,9 @@ when an env is built.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rlseq._lazy import lazy_exports
 
 _EXPORTS = {
     "make_procgen": "procgen",
@@ -45,14 +46,4 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .wrappers import PotentialValueShift, PrevActionReward, ScaledReturnLogger, ScaleReward
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # cache: later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

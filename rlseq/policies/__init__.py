@@ -11,8 +11,9 @@ on first attribute access; no Triton kernel compiles and no environment is built
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rlseq._lazy import lazy_exports
 
 from rlseq.policies.memory import (
     MEMORIES,
@@ -60,14 +61,4 @@ if TYPE_CHECKING:  # pragma: no cover
     )
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, globals(), _LAZY)
