@@ -303,7 +303,7 @@ def chunk_torch(
     rule: str,
     initial_state: torch.Tensor | None = None,
     resets: torch.Tensor | None = None,
-    chunk_size: int = 32,
+    chunk_size: int = 16,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked delta rule. Shapes as :func:`rlseq.kernels.chunk_rule`; computes in float32 (float64 for
     float64 inputs) and returns ``o`` in the input dtype and the final state in the compute dtype."""
