@@ -292,3 +292,37 @@ def test_evaluate_reports_unscaled_returns_on_held_out_levels(tiny_run, capsys):
     with pytest.raises(SystemExit):
         evaluate_main([str(tiny_run / "nope"), "--episodes", "1"])
     assert "config.yaml" in capsys.readouterr().err
+
+
+def test_truncated_episodes_are_bootstrapped_with_the_memory_of_the_ending_episode():
+    import gymnasium as gym
+
+    env = make_vec_env(lambda: gym.wrappers.TimeLimit(gym.make("CartPole-v1").unwrapped, max_episode_steps=5), n_envs=2, seed=0)
+    model = MemoryPPO("MlpPolicy", env, n_steps=12, n_minibatches=1, seed=0, device="cpu", gamma=0.9,
+                      policy_kwargs=dict(memory="efla", memory_kwargs=MEMORY_KWARGS["efla"]))
+    model.set_logger(configure(None, []))
+    model._setup_learn(100)
+    seen = []
+    real = model._bootstrap_truncated
+
+    def spy(rewards, dones, infos):
+        truncated = [i for i, d in enumerate(dones) if d and infos[i].get("TimeLimit.truncated", False)]
+        expected = rewards.copy()
+        for i in truncated:  # γ V(terminal obs) read with the memory as it stands after the episode's last step
+            obs = model.policy.obs_to_tensor(infos[i]["terminal_observation"])[0]
+            state = model._memory_state[i : i + 1].clone()
+            with torch.no_grad():
+                expected[i] += 0.9 * model.policy.predict_values(obs, state, torch.zeros(1, dtype=torch.bool))[0].item()
+        out = real(rewards, dones, infos)
+        seen.append((truncated, out, expected))
+        return out
+
+    model._bootstrap_truncated = spy
+    cb = _NoOp()
+    cb.init_callback(model)
+    model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
+    truncated_steps = [(t, out, exp) for t, out, exp in seen if t]
+    assert truncated_steps, "CartPole under a 5-step limit must truncate within 12 steps"
+    for t, out, exp in truncated_steps:
+        assert np.allclose(out, exp, rtol=1e-6)
+        assert all(out[i] != 1.0 for i in t)  # CartPole pays 1 per step: the bootstrap was added
