@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -154,12 +153,16 @@ def make_env(cfg: dict[str, Any], *, seed: int, n_envs: int | None = None, train
     return venv
 
 
+def ppo_kwargs(cfg: dict[str, Any], device: str) -> dict[str, Any]:
+    """The PPO hyperparameters of a resolved config, as keyword arguments of SB3-style algorithms."""
+    return dict(learning_rate=cfg["learning_rate"], n_steps=cfg["n_steps"], n_epochs=cfg["n_epochs"], gamma=cfg["gamma"],
+                gae_lambda=cfg["gae_lambda"], ent_coef=cfg["ent_coef"], vf_coef=cfg["vf_coef"], clip_range=cfg["clip_range"],
+                max_grad_norm=cfg["max_grad_norm"], seed=cfg["seed"], device=device)
+
+
 def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | None = None):
     """The algorithm and policy named by the config."""
-    common = dict(learning_rate=cfg["learning_rate"], n_steps=cfg["n_steps"], n_epochs=cfg["n_epochs"],
-                  gamma=cfg["gamma"], gae_lambda=cfg["gae_lambda"], ent_coef=cfg["ent_coef"], vf_coef=cfg["vf_coef"],
-                  clip_range=cfg["clip_range"], max_grad_norm=cfg["max_grad_norm"], seed=cfg["seed"], device=device,
-                  verbose=cfg.get("verbose", 0), tensorboard_log=tensorboard_log)
+    common = dict(ppo_kwargs(cfg, device), verbose=cfg.get("verbose", 0), tensorboard_log=tensorboard_log)
     policy_kwargs = dict(cfg.get("policy_kwargs") or {})
     dict_obs = bool(cfg.get("prev_action_reward"))
     if cfg["algo"] == "rlseq":
@@ -181,35 +184,9 @@ def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | No
         name = {"efla": "Efla", "deltanet": "DeltaNet"}[cfg["memory"]] + ("MultiInputPolicy" if dict_obs else "CnnPolicy")
         policy = getattr(P, name)
         policy_kwargs.update(memory_kwargs=cfg["memory_kwargs"])
-    policy_kwargs.pop("net_arch", None) if not policy_kwargs.get("net_arch") else None
+    if not policy_kwargs.get("net_arch"):
+        policy_kwargs.pop("net_arch", None)  # sb3-contrib's policies keep their own default heads
     return RecurrentPPO(policy, env, batch_size=batch_size, policy_kwargs=policy_kwargs, **common)
-
-
-class ProgressEstimate:
-    """Prints, after the first timed rollout, the measured throughput and the time the run will take."""
-
-    def __init__(self, total: int):
-        from stable_baselines3.common.callbacks import BaseCallback
-
-        outer = self
-
-        class _Callback(BaseCallback):
-            def _on_training_start(self) -> None:
-                outer.t0, outer.n0, outer.done = time.perf_counter(), self.model.num_timesteps, False
-
-            def _on_step(self) -> bool:
-                return True
-
-            def _on_rollout_start(self) -> None:
-                steps = self.model.num_timesteps - outer.n0
-                if not outer.done and steps > 0:
-                    rate = steps / (time.perf_counter() - outer.t0)
-                    left = max(0, total - self.model.num_timesteps) / rate
-                    print(f"measured {rate:,.0f} env-steps/s over the first rollout: about {left / 60:,.1f} min for the "
-                          f"remaining {max(0, total - self.model.num_timesteps):,} steps", flush=True)
-                    outer.done = True
-
-        self.callback = _Callback()
 
 
 def train(args: argparse.Namespace) -> Path:
@@ -218,6 +195,7 @@ def train(args: argparse.Namespace) -> Path:
     from stable_baselines3.common.callbacks import CallbackList
     from stable_baselines3.common.logger import configure
 
+    from rlseq.callbacks import ProgressEstimate
     from rlseq.checkpoint import CheckpointCallback, latest_checkpoint, load_vecnormalize, save_checkpoint, set_rng_state
     from rlseq.envs import ScaledReturnLogger
 
@@ -249,13 +227,11 @@ def train(args: argparse.Namespace) -> Path:
         print(f"resuming {folder} from {latest.name} ({model.num_timesteps:,} env steps done)", flush=True)
     else:
         model = build_model(cfg, env, device)
-    if device == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
     model.set_logger(configure(str(folder), ["tensorboard"] + (["stdout"] if args.verbose else [])))
     remaining = cfg["n_timesteps"] - model.num_timesteps
     callbacks = [ScaledReturnLogger(), CheckpointCallback(ckpt_root, cfg["checkpoint_every"])]
     if device == "cpu":
-        callbacks.append(ProgressEstimate(cfg["n_timesteps"]).callback)
+        callbacks.append(ProgressEstimate(cfg["n_timesteps"]))
     if remaining > 0:
         model.learn(remaining, callback=CallbackList(callbacks), reset_num_timesteps=latest is None or not args.resume,
                     progress_bar=not args.no_progress_bar)

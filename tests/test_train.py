@@ -221,13 +221,13 @@ def test_tensorboard_server_serves_a_scalar_of_a_finished_run(tiny_run):
         proc.wait(10)
 
 
-def test_refuses_to_overwrite_a_run_and_resume_of_a_finished_run_is_a_no_op(tiny_run, capsys):
+def test_a_finished_run_is_not_trained_again(tiny_run, capsys):
     argv = ["--env", "caveflyer", "--memory", "efla", "--total-steps", "96", "--seed", "3", "--logdir", str(tiny_run), *TINY]
     train_main(argv + ["--resume"])
     assert "finished already" in capsys.readouterr().out
 
 
-def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
+def test_killed_run_resumes_from_its_last_checkpoint(tmp_path, capsys):
     argv = ["--env", "caveflyer", "--memory", "deltanet", "--total-steps", "256", "--seed", "1", "--logdir", str(tmp_path),
             "--checkpoint-every", "32", "--no-progress-bar", *TINY]
     run = tmp_path / "caveflyer" / "deltanet" / "seed1"
@@ -244,6 +244,9 @@ def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
     assert not (run / "final_model.zip").exists()
     saved = int((run / "checkpoints" / latest.read_text().strip() / "meta.json").read_text().split(":")[1].split(",")[0])
     assert saved >= 64
+    with pytest.raises(SystemExit) as e:  # without --resume the interrupted run is not overwritten
+        train_main(argv)
+    assert e.value.code == 2 and "exists; pass --resume" in capsys.readouterr().err
     old_files = set(run.glob("events.out.tfevents.*"))
     logged_before_kill = max(s for s, _ in _scalars(run, "time/fps"))
 

@@ -52,7 +52,7 @@ def _config(args: argparse.Namespace, memory: str, algo: str) -> dict:
 def _build(variant: str, args: argparse.Namespace, device: str):
     from stable_baselines3.common.logger import configure
 
-    from rlseq.train import build_model, make_env
+    from rlseq.train import build_model, make_env, ppo_kwargs
 
     if variant.startswith("rlseq-"):
         cfg = _config(args, variant.split("-", 1)[1], "rlseq")
@@ -60,10 +60,7 @@ def _build(variant: str, args: argparse.Namespace, device: str):
     else:
         cfg = _config(args, "lstm", "rlseq")
         env = make_env(cfg, seed=args.seed)
-        common = dict(n_steps=cfg["n_steps"], batch_size=cfg["n_envs"] * cfg["n_steps"] // cfg["n_minibatches"],
-                      n_epochs=cfg["n_epochs"], learning_rate=cfg["learning_rate"], gamma=cfg["gamma"],
-                      gae_lambda=cfg["gae_lambda"], ent_coef=cfg["ent_coef"], clip_range=cfg["clip_range"],
-                      seed=args.seed, device=device)
+        common = dict(ppo_kwargs(cfg, device), batch_size=cfg["n_envs"] * cfg["n_steps"] // cfg["n_minibatches"])
         if variant.startswith("sb3-lstm"):
             from sb3_contrib import RecurrentPPO
 

@@ -20,7 +20,6 @@ two small products per chunk), and batches everything else over all chunks.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 
@@ -137,7 +136,7 @@ class _ChunkFunction(torch.autograd.Function):
     the backward chains it with :func:`rlseq.kernels.rules.unit_key_gate_backward`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, h0, resets, C, efla):
+    def forward(ctx, q, k, v, beta, h0, resets, C, rule):
         q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
         B, T, H, K = k.shape
         V = v.shape[-1]
@@ -151,7 +150,7 @@ class _ChunkFunction(torch.autograd.Function):
         def cv(x: torch.Tensor) -> torch.Tensor:  # [B, N·C, H, D] → a strided [N, B, H, C, D] view
             return x.view(B, N, C, H, -1).permute(1, 0, 3, 2, 4)
 
-        c, g, s = unit_key_scales(k, beta, "efla" if efla else "deltanet")
+        c, g, s = unit_key_scales(k, beta, rule)
         if c is None:
             kc = cv(k).contiguous()
         else:  # k̂ = c k, written straight into the chunk layout (one pass)
@@ -181,7 +180,7 @@ class _ChunkFunction(torch.autograd.Function):
         kt = kc.transpose(-1, -2)
         a = (gk @ kt).mul_(m_strict)
         qk = (qc @ kt).mul_(m_lower)
-        p = unit_lower_inverse(a, bounded=efla)  # EFLA: unit keys and gates in [0, 1] bound every |A_ij| by 1
+        p = unit_lower_inverse(a, bounded=rule == "efla")  # EFLA: unit keys and gates in [0, 1] bound every |A_ij| by 1
         kl = kc if last is None else kc * last
 
         # the state recurrence, chunk by chunk (batched over B·H): D = P (W − diag(g·sees) K̂ S₀),
@@ -216,7 +215,7 @@ class _ChunkFunction(torch.autograd.Function):
         ctx.save_for_backward(qc, kc, gc, gk, gks, kl, p, qk, d, states, carry, m_strict, m_lower, sees, last,
                               k, v, beta, s)
         ctx.dims = (B, T, H, K, V, N, C)
-        ctx.efla = efla
+        ctx.rule = rule
         ctx.h0_none = h0 is None
         return out[:, :T] if pad else out, final
 
@@ -287,7 +286,7 @@ class _ChunkFunction(torch.autograd.Function):
         dsw = to_bth((dr * cv(v)).sum(-1))  # ∂L/∂s for w = s v
         dkh_bth = torch.empty(B, Tp, H, K, dtype=dt, device=dev)
         cv(dkh_bth).copy_(dkh)
-        dk, dbeta = unit_key_gate_backward(k, beta, "efla" if ctx.efla else "deltanet", dkh_bth, to_bth(dg), dsw)
+        dk, dbeta = unit_key_gate_backward(k, beta, ctx.rule, dkh_bth, to_bth(dg), dsw)
         dh0 = None if ctx.h0_none else ds[0].view(B, H, K, V)
         if Tp != T:
             dq, dk, dv, dbeta = dq[:, :T], dk[:, :T], dv[:, :T], dbeta[:, :T]
@@ -315,7 +314,7 @@ def chunk_torch(
     if C > SOLVE_BLOCK and C % SOLVE_BLOCK:
         raise ValueError(f"chunk_size must be a multiple of {SOLVE_BLOCK} (or at most {SOLVE_BLOCK}), got {chunk_size}")
     h0 = None if initial_state is None else initial_state.to(dt)
-    return _ChunkFunction.apply(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), h0, resets, C, rule == "efla")
+    return _ChunkFunction.apply(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), h0, resets, C, rule)
 
 
 def step_torch(

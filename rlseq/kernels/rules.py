@@ -75,11 +75,16 @@ def unit_key_scales(
     """
     if rule == "deltanet":
         return None, beta, beta
+    _, norm, x, ph = _efla_terms(k, beta)
+    return 1 / norm, x * ph, beta * norm * ph
+
+
+def _efla_terms(k: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``λ = ‖k‖²``, the clamped norm ``n``, ``x = βλ`` and ``φ(x)``: what EFLA's gate and its gradient share."""
     lam = (k * k).sum(-1)
     norm = lam.clamp_min(MIN_KEY_NORM**2).sqrt()  # clamp before sqrt: its gradient at 0 is inf
     x = beta * lam
-    ph = phi(x)
-    return 1 / norm, x * ph, beta * norm * ph
+    return lam, norm, x, phi(x)
 
 
 def unit_key_form(
@@ -119,10 +124,7 @@ def unit_key_gate_backward(
     """
     if rule == "deltanet":
         return d_kh, d_g + d_s
-    lam = (k * k).sum(-1)
-    norm = lam.clamp_min(MIN_KEY_NORM**2).sqrt()
-    x = beta * lam
-    ph = phi(x)
+    lam, norm, x, ph = _efla_terms(k, beta)
     kh_dot = (k * d_kh).sum(-1) / norm  # k̂ · ∂L/∂k̂
     d_norm = d_s * beta * ph - kh_dot / norm  # k̂ = k/n and s = β n φ
     d_x = d_g * torch.exp(-x) + d_s * beta * norm * phi_grad(x, ph)  # g = 1 − e^{−x}

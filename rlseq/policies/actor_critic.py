@@ -181,6 +181,11 @@ class MemoryPPOPolicy(BasePolicy):
 
     # --- training: whole sequences, one memory call ----------------------------------------------------
 
+    def _sequence_features(self, obs: PyTorchObs, B: int, T: int) -> torch.Tensor:
+        """``obs [B, T, ...]`` (or a dict of those) → features ``[B, T, F]``, one extractor call for all steps."""
+        flat = {k: v.flatten(0, 1) for k, v in obs.items()} if isinstance(obs, dict) else obs.flatten(0, 1)
+        return self.features(flat).view(B, T, -1)
+
     def evaluate_sequences(
         self, obs: PyTorchObs, actions: torch.Tensor, initial_state: torch.Tensor, resets: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -191,9 +196,7 @@ class MemoryPPOPolicy(BasePolicy):
         entropy)``, each ``[B, T]``.
         """
         B, T = resets.shape
-        flat = {k: v.flatten(0, 1) for k, v in obs.items()} if isinstance(obs, dict) else obs.flatten(0, 1)
-        x = self.features(flat).view(B, T, -1)
-        y, _ = self.memory(x, initial_state, resets)
+        y, _ = self.memory(self._sequence_features(obs, B, T), initial_state, resets)
         dist, values = self._heads(y.flatten(0, 1))
         flat_actions = actions.flatten(0, 1)
         if isinstance(self.action_space, spaces.Discrete):
@@ -205,8 +208,7 @@ class MemoryPPOPolicy(BasePolicy):
     def memory_diagnostics(self, obs: PyTorchObs, initial_state: torch.Tensor, resets: torch.Tensor) -> dict[str, torch.Tensor]:
         """The memory's diagnostics (key norms, gates, state norms) over sequences ``obs [B, T, ...]``."""
         B, T = resets.shape
-        flat = {k: v.flatten(0, 1) for k, v in obs.items()} if isinstance(obs, dict) else obs.flatten(0, 1)
-        return self.memory.diagnostics(self.features(flat).view(B, T, -1), initial_state, resets)
+        return self.memory.diagnostics(self._sequence_features(obs, B, T), initial_state, resets)
 
     # --- SB3 predict with a recurrent state -----------------------------------------------------------
 
@@ -229,7 +231,7 @@ class MemoryPPOPolicy(BasePolicy):
             state_t = self.initial_state(n_envs)
         else:
             state_t = torch.as_tensor(np.asarray(state), device=self.device, dtype=torch.float32).clone()
-            expected = tuple(self.initial_state(n_envs).shape)
+            expected = (n_envs, *self.memory.state_shape)
             if tuple(state_t.shape) != expected:
                 raise ValueError(f"state must have shape {list(expected)} for {n_envs} environments, got {list(state_t.shape)}")
         starts = torch.zeros(n_envs, dtype=torch.bool, device=self.device) if episode_start is None else \

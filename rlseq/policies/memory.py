@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlseq.kernels import chunk_rule, step_rule
+from rlseq.kernels.rules import unit_key_scales
 
 MEMORIES = ("efla", "deltanet", "lstm", "none")
 
@@ -207,10 +208,6 @@ class _DeltaRuleMemory(Memory):
     def _beta(self, logit: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(logit)
 
-    def _gate(self, k: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-        """The transition's non-unit eigenvalue gate (1 - eigenvalue) per (…, head)."""
-        raise NotImplementedError
-
     # -- shared ------------------------------------------------------------------------------------------
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``x [..., in]`` → ``h [..., d]``, ``q, k_raw [..., H, K]``, ``v [..., H, V]``, ``β [..., H]``."""
@@ -254,7 +251,8 @@ class _DeltaRuleMemory(Memory):
         resets = _check_resets(resets, (B, T), x.device)
         _, q, k_raw, v, beta = self._project(x)
         knorm = k_raw.float().norm(dim=-1)
-        gate = self._gate(k_raw.float(), beta.float())
+        # 1 − (the transition's non-unit eigenvalue), from the rule's single definition in rlseq.kernels
+        _, gate, _ = unit_key_scales(self._keys(k_raw).float(), beta.float(), self.rule)
         _, final = chunk_rule(
             q, self._keys(k_raw), v, beta, rule=self.rule, initial_state=state, resets=resets, backend=self.backend,
             chunk_size=self.chunk_size,
@@ -336,9 +334,6 @@ class EFLAMemory(_DeltaRuleMemory):
     name = "efla"
     rule = "efla"
 
-    def _gate(self, k: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-        return -torch.expm1(-beta * (k * k).sum(-1))  # c = 1 - exp(-βλ)
-
 
 class DeltaNetMemory(_DeltaRuleMemory):
     """DeltaNet memory: the :class:`EFLAMemory` block with the Euler (delta-rule) update and L2-normalised keys::
@@ -365,9 +360,6 @@ class DeltaNetMemory(_DeltaRuleMemory):
     def _beta(self, logit: torch.Tensor) -> torch.Tensor:
         b = torch.sigmoid(logit)
         return 2 * b if self.allow_negative_eigenvalues else b
-
-    def _gate(self, k: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-        return beta * (self._keys(k) ** 2).sum(-1)
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", allow_negative_eigenvalues={self.allow_negative_eigenvalues}"
@@ -451,16 +443,10 @@ class LSTMMemory(Memory):
 
     @torch.no_grad()
     def diagnostics(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """``state_norm_mean/max``: L2 norm of (h, c) over all layers, per sequence, at EVERY step of the sequence.
-        Runs ``step`` over time (``forward`` would need host syncs to cut the episodes)."""
-        B, T = x.shape[:2]
-        resets = _check_resets(resets, (B, T), x.device)
-        s = state.detach().clone()
-        norms = []
-        for t in range(T):
-            self.step(x[:, t], s, None if resets is None else resets[:, t])
-            norms.append(s.flatten(1).norm(dim=-1))
-        n = torch.stack(norms, 1)
+        """``state_norm_mean/max``: L2 norm of (h, c) over all layers, per sequence, of the FINAL state reached
+        after the sequence, as for the delta-rule memories (one ``forward`` call, no loop over time)."""
+        _, final = self.forward(x, state, resets)
+        n = final.flatten(1).norm(dim=-1)
         return {"state_norm_mean": n.mean(), "state_norm_max": n.max()}
 
     def _describe_bad(self, bad: torch.Tensor) -> str:
