@@ -8,7 +8,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from rlseq.bench.timing import describe_environment, median_ms
+from rlseq.bench.timing import describe_environment, interleaved_median_ms, median_ms
 from rlseq.kernels import chunk_rule, triton_available
 
 
@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", nargs="+", default=None, help="default: every backend available on the device")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 20 on GPU, 5 on CPU)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="CPU grid: time each backend alone, one after the other, instead of round-robin")
     parser.add_argument("--shapes", nargs="+", default=None, metavar="B,T,H,D",
                         help="explicit shapes instead of the --batch x --head-dim grid, e.g. 8,256,4,64")
     parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"],
@@ -65,28 +67,25 @@ def _time(fn, device: torch.device, warmup: int, repeats: int, grads=None) -> fl
     return median_ms(fn, device, warmup=warmup, repeats=repeats)
 
 
-def time_backend(inp: dict[str, torch.Tensor], rule: str, backend: str, repeats: int) -> tuple[float, float, torch.Tensor]:
-    """(forward ms, forward+backward ms, output) for one backend."""
-    device = inp["q"].device
+def backend_fns(inp: dict[str, torch.Tensor], rule: str, backend: str):
+    """``(forward, forward_only, forward_backward, leaves)`` of chunk_rule on ``backend``: ``forward_only`` runs under
+    ``no_grad``, ``forward_backward`` backpropagates fixed random output gradients (and ones for the final state)."""
     leaves = {n: inp[n].clone().requires_grad_() for n in ("q", "k", "v", "beta", "initial_state")}
-    if backend in FLA_BACKENDS:
-        return time_fla(inp, backend, leaves)
 
     def forward():
         return chunk_rule(leaves["q"], leaves["k"], leaves["v"], leaves["beta"], rule=rule,
                           initial_state=leaves["initial_state"], resets=inp["resets"], backend=backend)
 
-    warmup = 1 if backend == "reference" else 3
-    return time_forward_backward(forward, list(leaves.values()), device, warmup, repeats)
+    return (forward, *_fwd_and_fwd_bwd(forward, list(leaves.values())), list(leaves.values()))
 
 
-def time_forward_backward(forward, leaves: list[torch.Tensor], device: torch.device, warmup: int, repeats: int):
-    """(forward ms, forward+backward ms, output) of ``forward() -> (o, final_state)`` with random output
-    gradients; the forward alone runs under ``no_grad``."""
+def _fwd_and_fwd_bwd(forward, leaves: list[torch.Tensor]):
     o, _ = forward()
     grad_o = torch.randn_like(o)
 
     def forward_backward():
+        for x in leaves:
+            x.grad = None
         o, s = forward()
         torch.autograd.backward([o, s], [grad_o, torch.ones_like(s)])
 
@@ -94,6 +93,39 @@ def time_forward_backward(forward, leaves: list[torch.Tensor], device: torch.dev
         with torch.no_grad():
             return forward()
 
+    return forward_only, forward_backward
+
+
+def time_backend(inp: dict[str, torch.Tensor], rule: str, backend: str, repeats: int) -> tuple[float, float, torch.Tensor]:
+    """(forward ms, forward+backward ms, output) for one backend, timed on its own."""
+    device = inp["q"].device
+    if backend in FLA_BACKENDS:
+        leaves = {n: inp[n].clone().requires_grad_() for n in ("q", "k", "v", "beta", "initial_state")}
+        return time_fla(inp, backend, leaves)
+    forward, _, _, leaves = backend_fns(inp, rule, backend)
+    warmup = 1 if backend == "reference" else 3
+    return time_forward_backward(forward, leaves, device, warmup, repeats)
+
+
+def time_backends_interleaved(inp: dict[str, torch.Tensor], rule: str, backends: list[str], repeats: int):
+    """{backend: (forward ms, forward+backward ms, output)}, all timed round-robin
+    (:func:`rlseq.bench.timing.interleaved_median_ms`): each backend sees the same machine state."""
+    device = inp["q"].device
+    fns, warmup, outs = {}, {}, {}
+    for backend in backends:
+        forward, fwd_only, fwd_bwd, _ = backend_fns(inp, rule, backend)
+        fns[(backend, "fwd")], fns[(backend, "both")] = fwd_only, fwd_bwd
+        warmup[(backend, "fwd")] = warmup[(backend, "both")] = 1 if backend == "reference" else 3
+        with torch.no_grad():
+            outs[backend] = forward()[0]
+    ms = interleaved_median_ms(fns, device, warmup=warmup, repeats=repeats)
+    return {b: (ms[(b, "fwd")], ms[(b, "both")], outs[b]) for b in backends}
+
+
+def time_forward_backward(forward, leaves: list[torch.Tensor], device: torch.device, warmup: int, repeats: int):
+    """(forward ms, forward+backward ms, output) of ``forward() -> (o, final_state)`` with random output
+    gradients; the forward alone runs under ``no_grad``."""
+    forward_only, forward_backward = _fwd_and_fwd_bwd(forward, leaves)
     fwd = _time(forward_only, device, warmup, repeats)
     both = _time(forward_backward, device, warmup, repeats, grads=leaves)
     with torch.no_grad():
@@ -114,7 +146,10 @@ def main(args: argparse.Namespace) -> None:
         if args.step:
             step_rows(args, device, backends)
         return
-    print(f"rule {args.rule}, float32 inputs, T={T}, H={H}, resets ~2% of steps; median of {repeats} after warm-up\n")
+    interleave = device.type == "cpu" and not args.sequential
+    how = (f"median of {repeats} round-robin rounds over the backends after warm-up, each timed call preceded by an "
+           "untimed one of the same function" if interleave else f"median of {repeats} after warm-up")
+    print(f"rule {args.rule}, float32 inputs, T={T}, H={H}, resets ~2% of steps; {how}\n")
     print("| B | T | H | D | backend | fwd ms | fwd+bwd ms | bwd ms | fwd speed-up vs reference | bwd speed-up vs reference | rel. err vs fp64 oracle |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for B in args.batch:
@@ -124,8 +159,9 @@ def main(args: argparse.Namespace) -> None:
                 o_ref, _ = chunk_rule(*(inp[n].double() for n in ("q", "k", "v", "beta")), rule=args.rule,
                                       initial_state=inp["initial_state"].double(), resets=inp["resets"], backend="reference")
             base = None
+            timed = time_backends_interleaved(inp, args.rule, backends, repeats) if interleave else None
             for backend in backends:
-                fwd, both, o = time_backend(inp, args.rule, backend, repeats)
+                fwd, both, o = timed[backend] if timed else time_backend(inp, args.rule, backend, repeats)
                 bwd = both - fwd
                 if backend == "reference":
                     base = (fwd, bwd)

@@ -31,6 +31,32 @@ def median_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3
     return statistics.median(times)
 
 
+def interleaved_median_ms(
+    fns: dict[str, Callable[[], object]], device: torch.device, *, warmup: dict[str, int], repeats: int
+) -> dict[str, float]:
+    """Median wall time in ms of each of ``fns``, timed round-robin: after ``warmup[name]`` calls each, every round
+    runs each function once untimed and then once timed.
+
+    Round-robin puts every function through the same machine state (a shared VM's speed drifts by up to 2x
+    within minutes), and the untimed call re-warms a function's own allocations and worker threads after the
+    others ran: a timed call never directly follows another function's call.
+    """
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    for name, fn in fns.items():
+        for _ in range(warmup[name]):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            fn()
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def describe_environment(device: torch.device) -> str:
     """One line naming the device and the versions that produced a table."""
     import platform

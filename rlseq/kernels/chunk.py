@@ -8,8 +8,8 @@ call covers any number of episodes per sequence.
 Per chunk, with the unit-key gate ``(k̂, g, w)`` of :func:`rlseq.kernels.rules.unit_key_form`,
 ``A = StrictLower(diag(g) K̂K̂ᵀ) ⊙ same`` and ``P = (I + A)⁻¹``:
 
-    D  = P (W − diag(g ⊙ sees) K̂ S₀)                      (in the loop over chunks, batched over B·H)
-    S₁ = carry · S₀ + K̂ᵀ diag(last) D                      (in the loop)
+    D  = U − M S₀,  U = P W,  M = P diag(g ⊙ sees) K̂      (U, M for all chunks at once; D in the loop over
+    S₁ = carry · S₀ + K̂ᵀ diag(last) D                      chunks, batched over B·H: three small ops per chunk)
     O  = diag(sees) Q S₀ + (Lower(Q K̂ᵀ) ⊙ same) D          (all chunks at once, after the loop)
 
 :class:`_ChunkFunction` differentiates this by hand, gate included (the Triton backward's equations,
@@ -40,6 +40,34 @@ def segment_masks(resets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
 SOLVE_BLOCK = 16
 
 
+_CONSTS: dict = {}
+
+
+def _chunk_masks(resets: torch.Tensor | None, B: int, N: int, C: int, dtype: torch.dtype, device: torch.device):
+    """The masks of :func:`segment_masks` as ``dtype`` factors in the chunk layout, for ``resets [B, ≤ N·C]`` (or None).
+
+    Returns ``m_strict, m_lower [N, B, 1, C, C]`` (``same`` ⊙ strictly lower / lower), ``sees, last [N, B, 1, C, 1]``
+    and ``carry [N, B, 1, 1]``; without resets the two triangles ``[C, C]`` and None for the rest.
+    """
+    key = (C, dtype, device)
+    if key not in _CONSTS:
+        ones = torch.ones(C, C, dtype=dtype, device=device)
+        _CONSTS[key] = (ones.tril(-1), ones.tril(), torch.eye(C, dtype=dtype, device=device))
+    strict, lower, eye = _CONSTS[key]
+    if resets is None:
+        return strict, lower, None, None, None
+    r = F.pad(resets, (0, N * C - resets.shape[1])) if resets.shape[1] != N * C else resets
+    seg = r.view(B, N, C).to(torch.int32).cumsum(-1).transpose(0, 1)  # [N, B, C]: episode index inside the chunk
+    m_lower = torch.empty(N, B, 1, C, C, dtype=dtype, device=device)
+    torch.eq(seg.unsqueeze(-1), seg.unsqueeze(-2), out=m_lower.squeeze(2)).mul_(lower)
+    flags = torch.empty(2, N, B, C, dtype=dtype, device=device)
+    torch.eq(seg, 0, out=flags[0])  # sees
+    torch.eq(seg, seg[..., -1:], out=flags[1])  # last
+    sees, last = flags[0].view(N, B, 1, C, 1), flags[1].view(N, B, 1, C, 1)
+    carry = sees[..., -1:, 0]  # [N, B, 1, 1]: no reset in the chunk, so its last row still sees S₀
+    return m_lower - eye, m_lower, sees, last, carry
+
+
 def _unit_lower_inverse_rows(a: torch.Tensor) -> torch.Tensor:
     """``(I + A)⁻¹`` for strictly lower ``a [..., n, n]`` by forward substitution, one row at a time."""
     n = a.shape[-1]
@@ -53,42 +81,52 @@ def _unit_lower_inverse_rows(a: torch.Tensor) -> torch.Tensor:
 _MASKS: dict = {}
 
 
-def _block_masks(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """For ``n ≤ 16``: the mask of the 4×4 diagonal blocks, and for b = 4, 8 (while b < n) the mask of the
-    b×b blocks just below the diagonal inside each 2b×2b diagonal block (cached)."""
+def _block_masks(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+    """For ``n ≤ 16`` (cached): the identity, for o = 1, 2, 3 the negated mask of the entries of diagonal ``−o``
+    inside the 4×4 diagonal blocks (``[n − o]``), and for b = 4, 8 (while b < n) the mask of the b×b blocks just
+    below the diagonal inside each 2b×2b diagonal block."""
     key = (n, dtype, device)
     if key not in _MASKS:
         i = torch.arange(n, device=device)
         r, c = i[:, None], i[None, :]
-        bd4 = (r // 4 == c // 4).to(dtype)
+        neg = [-(i[o:] % 4 >= o).to(dtype) for o in (1, 2, 3) if o < n]
         offs = [((r // (2 * b) == c // (2 * b)) & (r // b != c // b)).to(dtype) for b in (4, 8) if b < n]
-        _MASKS[key] = (bd4, offs)
+        _MASKS[key] = (torch.eye(n, dtype=dtype, device=device), neg, offs)
     return _MASKS[key]
 
 
 def _unit_lower_inverse_block(a: torch.Tensor) -> torch.Tensor:
     """``(I + A)⁻¹`` for diagonal blocks ``a [..., n, n]`` with ``n ≤ 16`` and every ``|A_ij| ≤ 2``, in the dtype of ``a``.
 
-    4×4 diagonal blocks by the product form ``(I − A)(I + A²)``: its intermediate sums are bounded by
-    ``(1 + 2)^3 = 27`` times the entries, so it cannot cancel badly. Then recursive doubling, which is the
-    blocked triangular inverse: with ``P_b`` the inverse of the b×b diagonal blocks and ``A_b`` the part of A
-    in the b×b blocks just below them (inside each 2b block), ``P_2b = P_b − P_b A_b P_b`` (exact: ``P_b A_b``
-    is nilpotent of order 2). Six batched products of n×n matrices in all, no product form over a whole chunk.
+    4×4 diagonal blocks by forward substitution written out along the three subdiagonals (elementwise over
+    all blocks at once: ``p₁ = −a₁``, ``p₂ = −(a₂ − a₁a₁)``, ``p₃ = −(a₃ + a₁p₂ + a₂p₁)``), which is exact
+    substitution, so it cannot cancel badly. Then recursive doubling, which is the blocked triangular inverse:
+    with ``P_b`` the inverse of the b×b diagonal blocks and ``A_b`` the part of A in the b×b blocks just below
+    them (inside each 2b block), ``P_2b = P_b − P_b A_b P_b`` (exact: ``P_b A_b`` is nilpotent of order 2).
+    Four batched products of n×n matrices in all, no product form over a whole chunk.
     """
     n = a.shape[-1]
     lead = a.shape[:-2]
     x = a.reshape(-1, n, n)
-    bd4, offs = _block_masks(n, a.dtype, a.device)
-    # three work buffers, reused through out= (fresh large allocations page-fault on the CPU)
-    a4 = x * bd4
-    ia = torch.sub(torch.eye(n, dtype=a.dtype, device=a.device), a4)
-    sq = torch.bmm(a4, a4)
-    p = torch.baddbmm(ia, ia, sq, out=a4)
-    t, u = ia, sq
-    for off in offs:
-        torch.mul(x, off, out=t)
-        torch.bmm(t, p, out=u)
-        p, t = torch.baddbmm(p, p, u, alpha=-1, out=t), p
+    eye, neg, offs = _block_masks(n, a.dtype, a.device)
+    p = torch.empty_like(x)
+    p.copy_(eye)
+    if n > 1:
+        a1, pd1 = x.diagonal(-1, -2, -1), p.diagonal(-1, -2, -1)  # [batch, n − 1]: entries (i, i − 1)
+        torch.mul(a1, neg[0], out=pd1)
+    if n > 2:
+        a2, pd2 = x.diagonal(-2, -2, -1), p.diagonal(-2, -2, -1)
+        torch.mul(torch.addcmul(a2, a1[:, 1:], a1[:, :-1], value=-1), neg[1], out=pd2)
+    if n > 3:
+        t = torch.addcmul(x.diagonal(-3, -2, -1), a1[:, 2:], pd2[:, :-1])
+        t.addcmul_(a2[:, 1:], pd1[:, :-2])
+        torch.mul(t, neg[2], out=p.diagonal(-3, -2, -1))
+    if offs:
+        t, u = torch.empty_like(p), torch.empty_like(p)
+        for off in offs:
+            torch.mul(x, off, out=t)
+            torch.bmm(t, p, out=u)
+            p, t = torch.baddbmm(p, p, u, alpha=-1, out=t), p
     return p.view(*lead, n, n)
 
 
@@ -136,7 +174,7 @@ class _ChunkFunction(torch.autograd.Function):
     the backward chains it with :func:`rlseq.kernels.rules.unit_key_gate_backward`."""
 
     @staticmethod
-    def forward(ctx, q, k, v, beta, h0, resets, C, rule):
+    def forward(ctx, q, k, v, beta, h0, resets, C, rule, keep):
         q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
         B, T, H, K = k.shape
         V = v.shape[-1]
@@ -151,6 +189,10 @@ class _ChunkFunction(torch.autograd.Function):
             return x.view(B, N, C, H, -1).permute(1, 0, 3, 2, 4)
 
         c, g, s = unit_key_scales(k, beta, rule)
+        # Q and diag(g) K̂ stacked along the rows of one buffer: one product gives QK̂ᵀ and diag(g) K̂K̂ᵀ
+        qg = torch.empty(N, B, H, 2 * C, K, dtype=dt, device=dev)
+        qc, gk = qg[..., :C, :], qg[..., C:, :]
+        qc.copy_(cv(q))
         if c is None:
             kc = cv(k).contiguous()
         else:  # k̂ = c k, written straight into the chunk layout (one pass)
@@ -158,33 +200,30 @@ class _ChunkFunction(torch.autograd.Function):
             torch.mul(cv(k), cv(c.unsqueeze(-1)), out=kc)
         wc = torch.empty(N, B, H, C, V, dtype=dt, device=dev)
         torch.mul(cv(v), cv(s.unsqueeze(-1)), out=wc)
-        qc = cv(q).contiguous()
         gc = cv(g.unsqueeze(-1)).contiguous()  # [N, B, H, C, 1]
+        torch.mul(kc, gc, out=gk)
+        m_strict, m_lower, sees, last, carry = _chunk_masks(resets, B, N, C, dt, dev)
 
-        lower_strict = torch.ones(C, C, dtype=torch.bool, device=dev).tril(-1)
-        lower = torch.ones(C, C, dtype=torch.bool, device=dev).tril()
-        if resets is None:
-            m_strict, m_lower = lower_strict.to(dt), lower.to(dt)
-            sees = last = carry = None
-        else:
-            r = F.pad(resets, (0, pad)) if pad else resets
-            same, sees_b, last_b, carry_b = segment_masks(r.reshape(B, N, C).transpose(0, 1))  # [N, B, ...]
-            same = same.unsqueeze(2)  # broadcast over H
-            m_strict, m_lower = (same & lower_strict).to(dt), (same & lower).to(dt)
-            sees = sees_b.unsqueeze(2).unsqueeze(-1).to(dt)  # [N, B, 1, C, 1]
-            last = last_b.unsqueeze(2).unsqueeze(-1).to(dt)
-            carry = carry_b.to(dt).view(N, B, 1, 1)
-
-        gk = kc * gc
-        gks = gk if sees is None else kc * (gc * sees)
-        kt = kc.transpose(-1, -2)
-        a = (gk @ kt).mul_(m_strict)
-        qk = (qc @ kt).mul_(m_lower)
+        prod = qg @ kc.transpose(-1, -2)  # [N, B, H, 2C, C]
+        qk = prod[..., :C, :].mul_(m_lower)
+        a = prod[..., C:, :].mul_(m_strict)
         p = unit_lower_inverse(a, bounded=rule == "efla")  # EFLA: unit keys and gates in [0, 1] bound every |A_ij| by 1
-        kl = kc if last is None else kc * last
+        # Without a backward (keep False), intermediates are updated in place and dropped once spent, so later
+        # buffers reuse cache-hot memory: the forward is bound by memory traffic at these sizes.
+        if sees is None:
+            gks = gk
+        else:
+            gks = gk.mul_(sees) if not keep else gk * sees
+        if last is None:
+            kl = kc
+        else:
+            kl = kc.mul_(last) if not keep else kc * last
+        if not keep:
+            del kc, prod, a
 
-        # the state recurrence, chunk by chunk (batched over B·H): D = P (W − diag(g·sees) K̂ S₀),
-        # S₁ = carry·S₀ + K̂ᵀ diag(last) D. diag(sees) commutes with P (block-diagonal over episodes).
+        # the state recurrence, chunk by chunk (batched over B·H): D = U − M S₀ with U = P W and M = P diag(g·sees) K̂
+        # precomputed for all chunks (diag(sees) commutes with P: block-diagonal over episodes), then
+        # S₁ = carry·S₀ + K̂ᵀ diag(last) D. Every op in the loop is in place or out=: no copies, no allocations.
         BH = B * H
         states = torch.empty(N + 1, BH, K, V, dtype=dt, device=dev)
         if h0 is None:
@@ -192,19 +231,28 @@ class _ChunkFunction(torch.autograd.Function):
         else:
             states[0].copy_(h0.reshape(BH, K, V))
         d = torch.empty(N, BH, C, V, dtype=dt, device=dev)
-        p3, g3, w3 = p.view(N, BH, C, C), gks.view(N, BH, C, K), wc.view(N, BH, C, V)
-        klt3 = kl.view(N, BH, C, K).transpose(-1, -2)
-        r_buf = torch.empty(BH, C, V, dtype=dt, device=dev)
-        s_buf = torch.empty(BH, K, V, dtype=dt, device=dev)
-        for n in range(N):
-            torch.bmm(p3[n], torch.baddbmm(w3[n], g3[n], states[n], alpha=-1, out=r_buf), out=d[n])
-            s_in = states[n]
-            if carry is not None:
-                s_in = torch.mul(states[n].view(B, H * K * V), carry[n].view(B, 1), out=s_buf.view(B, H * K * V)).view(BH, K, V)
-            torch.baddbmm(s_in, klt3[n], d[n], out=states[n + 1])
+        torch.bmm(_bmm(p), _bmm(wc), out=_bmm(d))
+        m = _bmm(p).bmm(_bmm(gks)).view(N, BH, C, K)
+        if not keep:
+            del p, gks
+        # per-chunk views made once (unbind), not by indexing inside the loop
+        st, dn, mn = states.unbind(0), d.unbind(0), m.unbind(0)
+        klt = kl.view(N, BH, C, K).transpose(-1, -2).unbind(0)
+        if carry is None:
+            for n in range(N):
+                dn[n].baddbmm_(mn[n], st[n], alpha=-1)
+                torch.baddbmm(st[n], klt[n], dn[n], out=st[n + 1])
+        else:
+            flat, cn = states.view(N + 1, B, H * K * V).unbind(0), carry.view(N, B, 1).unbind(0)
+            for n in range(N):
+                dn[n].baddbmm_(mn[n], st[n], alpha=-1)
+                torch.mul(flat[n], cn[n], out=flat[n + 1])
+                st[n + 1].baddbmm_(klt[n], dn[n])
+        if not keep:
+            del m, mn, kl, klt
         s0 = states[:N].view(N, B, H, K, V)
         d = d.view(N, B, H, C, V)
-        o = qc @ s0
+        o = torch.bmm(_bmm(qc), _bmm(s0), out=_bmm(wc)).view(N, B, H, C, V)  # W is spent: reuse its memory
         if sees is not None:
             o.mul_(sees)
         _bmm(o).baddbmm_(_bmm(qk), _bmm(d))
@@ -212,6 +260,8 @@ class _ChunkFunction(torch.autograd.Function):
         cv(out).copy_(o)
         final = states[N].view(B, H, K, V)
 
+        if not keep:
+            return out[:, :T] if pad else out, final
         ctx.save_for_backward(qc, kc, gc, gk, gks, kl, p, qk, d, states, carry, m_strict, m_lower, sees, last,
                               k, v, beta, s)
         ctx.dims = (B, T, H, K, V, N, C)
@@ -290,7 +340,7 @@ class _ChunkFunction(torch.autograd.Function):
         dh0 = None if ctx.h0_none else ds[0].view(B, H, K, V)
         if Tp != T:
             dq, dk, dv, dbeta = dq[:, :T], dk[:, :T], dv[:, :T], dbeta[:, :T]
-        return dq, dk, dv, dbeta, dh0, None, None, None
+        return dq, dk, dv, dbeta, dh0, None, None, None, None
 
 
 def chunk_torch(
@@ -314,7 +364,8 @@ def chunk_torch(
     if C > SOLVE_BLOCK and C % SOLVE_BLOCK:
         raise ValueError(f"chunk_size must be a multiple of {SOLVE_BLOCK} (or at most {SOLVE_BLOCK}), got {chunk_size}")
     h0 = None if initial_state is None else initial_state.to(dt)
-    return _ChunkFunction.apply(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), h0, resets, C, rule)
+    keep = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, beta, h0))
+    return _ChunkFunction.apply(q.to(dt), k.to(dt), v.to(dt), beta.to(dt), h0, resets, C, rule, keep)
 
 
 def step_torch(
