@@ -26,7 +26,15 @@ Outputs (in ``--out``, default RUNS_DIR):
 * ``compare_diagnostics.png`` (only when memory diagnostics were logged): gate saturation fraction,
   key-norm max, state-norm max (log y) and non-finite events; mean across seeds with a min–max band
   (the extremes are what matter for blow-ups).
-* ``compare.md`` (also printed): one table per env, see :func:`summarize` for the definitions.
+* ``compare.md`` (also printed): one table per env, see :func:`summarize` for the definitions; with
+  ``--baseline MEMORY`` a second table compares every variant with that memory under the same tag
+  (:func:`relative_to_baseline`), and when diagnostics were logged a third one summarises them
+  (:func:`diagnostics_summary`).
+* ``--save-scalars FILE.csv.gz`` writes the loaded scalars (columns ``env, variant, seed, step, tag,
+  value``), and RUNS_DIR may be such a file: a committed summary then reproduces every figure and table
+  without the raw event files.
+* ``--panels condition`` draws one panel per (env, tag) with one line per memory, instead of one panel
+  per env.
 """
 
 from __future__ import annotations
@@ -51,6 +59,10 @@ DIAGNOSTIC_TAGS = (
     "memory/state_norm_max",
     "memory/nonfinite_events",
 )
+# what --save-scalars keeps besides every rollout/, memory/ and time/ tag: enough to redo every figure and table
+SAVED_TRAIN_TAGS = ("train/value_target_abs_mean", "train/value_target_abs_max", "train/explained_variance",
+                    "train/entropy_loss", "train/value_loss", "train/approx_kl", "train/clip_fraction",
+                    "train/grad_norm")
 LOG_SCALE_TAGS = frozenset({"memory/key_norm_max", "memory/state_norm_max"})
 COLUMNS = ["env", "variant", "seed", "step", "tag", "value"]
 
@@ -124,6 +136,20 @@ def _merge_resumed(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
     merged = merged.sort_values(["tag", "step", "wall_time"], kind="stable")
     merged = merged.drop_duplicates(["tag", "step"], keep="last")
     return merged[["step", "tag", "value"]]
+
+
+def load_scalars(path: str | Path) -> pd.DataFrame:
+    """Read scalars saved with ``--save-scalars`` (a CSV, optionally gzipped) into :func:`load_runs`' form."""
+    path = Path(path)
+    if not path.is_file():
+        raise CompareError(f"scalars file not found: {path}")
+    df = pd.read_csv(path)
+    missing = set(COLUMNS) - set(df.columns)
+    if missing:
+        raise CompareError(f"{path} lacks the columns {', '.join(sorted(missing))}; expected {', '.join(COLUMNS)}")
+    df = df[COLUMNS].astype({"env": object, "variant": object, "seed": "int64", "step": "int64", "tag": object,
+                             "value": "float64"})
+    return df.sort_values(["env", "variant", "seed", "tag", "step"], kind="stable").reset_index(drop=True)
 
 
 def load_runs(root: str | Path) -> pd.DataFrame:
@@ -297,6 +323,124 @@ def summarize(
     return out.reset_index(drop=True)
 
 
+def _tag(variant: str) -> str:
+    return variant.split("-", 1)[1] if "-" in variant else ""
+
+
+def relative_to_baseline(finals: pd.DataFrame, baseline: str, *, reps: int = 2000, seed: int = 0) -> pd.DataFrame:
+    """Every variant against ``baseline`` trained under the same tag (``efla-reward1e3`` vs
+    ``deltanet-reward1e3``), from the per-seed final values of :func:`final_returns`.
+
+    Columns: env, variant, baseline (the variant compared with), n / n_base (seeds), ``mean_ratio`` (final
+    mean / baseline final mean) with a 95% percentile bootstrap CI (``ratio_ci_low/high``: seeds resampled
+    with replacement within each group, ``reps`` times), ``std_ratio`` (sample stds, ddof=1) with its
+    95% CI from the F distribution of the variance ratio (assumes normal final values; a
+    bootstrap of a std from 3 seeds is degenerate), and ``p_improve``: rliable's probability of improvement P(variant > baseline) with its
+    stratified-bootstrap CI (``p_ci_low/high``). Ratios are NaN where the baseline's mean or std is 0;
+    CIs are NaN with fewer than 2 seeds on either side.
+    """
+    library, metrics = _rliable()
+    rng = np.random.default_rng(seed)
+    rows = []
+    for (env, variant), g in finals.groupby(["env", "variant"], sort=True):
+        base = f"{baseline}-{_tag(variant)}" if _tag(variant) else baseline
+        if _base_memory(variant) == baseline:
+            continue
+        b = finals[(finals["env"] == env) & (finals["variant"] == base)]
+        if b.empty:
+            continue
+        x, y = g["final"].to_numpy(np.float64), b["final"].to_numpy(np.float64)
+        row = {"env": env, "variant": variant, "baseline": base, "n": len(x), "n_base": len(y),
+               "mean_ratio": _safe_div(x.mean(), y.mean()), "ratio_ci_low": math.nan, "ratio_ci_high": math.nan,
+               "std_ratio": math.nan, "std_ci_low": math.nan, "std_ci_high": math.nan,
+               "p_improve": float(metrics.probability_of_improvement(x[:, None], y[:, None])),
+               "p_ci_low": math.nan, "p_ci_high": math.nan}
+        if len(x) > 1 and len(y) > 1:
+            from scipy.stats import f as f_dist
+
+            row["std_ratio"] = r = _safe_div(x.std(ddof=1), y.std(ddof=1))
+            dfs = (len(x) - 1, len(y) - 1)
+            row["std_ci_low"] = r / math.sqrt(f_dist.ppf(0.975, *dfs))
+            row["std_ci_high"] = r / math.sqrt(f_dist.ppf(0.025, *dfs))
+            bx = x[rng.integers(0, len(x), (reps, len(x)))]
+            by = y[rng.integers(0, len(y), (reps, len(y)))]
+            with np.errstate(divide="ignore", invalid="ignore"):
+                ratios = bx.mean(1) / by.mean(1)
+            row["ratio_ci_low"], row["ratio_ci_high"] = _finite_percentiles(ratios)
+            saved = np.random.get_state()  # rliable draws from the global generator, see _bootstrap_ci
+            try:
+                np.random.seed(seed)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", FutureWarning)
+                    _, ci = library.get_interval_estimates(
+                        {"x": (x[:, None], y[:, None])},
+                        lambda a, c: np.array([metrics.probability_of_improvement(a, c)]), reps=reps)
+            finally:
+                np.random.set_state(saved)
+            row["p_ci_low"], row["p_ci_high"] = float(ci["x"][0][0]), float(ci["x"][1][0])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _safe_div(a: float, b: float) -> float:
+    return float(a / b) if b != 0 else math.nan
+
+
+def _finite_percentiles(x: np.ndarray) -> tuple[float, float]:
+    """2.5 and 97.5 percentiles of the finite resamples (a resample whose denominator is 0 has none)."""
+    x = x[np.isfinite(x)]
+    return (float(np.percentile(x, 2.5)), float(np.percentile(x, 97.5))) if x.size else (math.nan, math.nan)
+
+
+def diagnostics_summary(df: pd.DataFrame, *, final_fraction: float = 0.1) -> pd.DataFrame:
+    """One row per (env, variant) that logged memory diagnostics.
+
+    Columns: ``saturated_final`` (mean across seeds of each seed's mean ``memory/gate_saturated_frac`` over
+    its last ``final_fraction`` of steps), ``key_norm_peak`` / ``state_norm_peak`` (per seed the largest
+    logged ``memory/key_norm_max`` / ``memory/state_norm_max``; the median and the max across seeds),
+    ``nonfinite_events`` (sum over seeds of the largest logged ``memory/nonfinite_events``, a running
+    count), ``nonfinite_seeds`` (seeds with at least one), and ``value_target_final`` (mean across seeds of
+    the final ``train/value_target_abs_mean``: the scale the critic has to fit).
+    """
+    rows = []
+    for (env, variant), g in df.groupby(["env", "variant"], sort=True):
+        if not g["tag"].isin(DIAGNOSTIC_TAGS).any():
+            continue
+        per_seed = []
+        for _, gs in g.groupby("seed"):
+            def tail_mean(tag: str) -> float:
+                d = gs[(gs["tag"] == tag) & np.isfinite(gs["value"])]
+                if d.empty:
+                    return math.nan
+                return float(d[d["step"] >= (1 - final_fraction) * d["step"].max()]["value"].mean())
+
+            def peak(tag: str) -> float:
+                d = gs[gs["tag"] == tag]["value"]
+                return float(d.max()) if len(d) else math.nan
+
+            per_seed.append((tail_mean("memory/gate_saturated_frac"), peak("memory/key_norm_max"),
+                             peak("memory/state_norm_max"), peak("memory/nonfinite_events"),
+                             tail_mean("train/value_target_abs_mean")))
+        a = np.array(per_seed, dtype=np.float64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns stay NaN
+            rows.append({
+                "env": env, "variant": variant, "n_seeds": len(a),
+                "saturated_final": float(np.nanmean(a[:, 0])),
+                "key_norm_peak_median": float(np.nanmedian(a[:, 1])), "key_norm_peak_max": float(np.nanmax(a[:, 1])),
+                "state_norm_peak_median": float(np.nanmedian(a[:, 2])),
+                "state_norm_peak_max": float(np.nanmax(a[:, 2])),
+                "nonfinite_events": float(np.nansum(a[:, 3])), "nonfinite_seeds": int(np.sum(a[:, 3] > 0)),
+                "value_target_final": float(np.nanmean(a[:, 4])),
+            })
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return out
+    order = {v: i for i, v in enumerate(variant_order(out["variant"]))}
+    return out.sort_values(["env", "variant"], key=lambda c: c.map(order) if c.name == "variant" else c
+                           ).reset_index(drop=True)
+
+
 # ---------------------------------------------------------------------------------- colours and order
 def _base_memory(variant: str) -> str:
     return variant.split("-", 1)[0]
@@ -392,8 +536,12 @@ def plot_curves(
     n_points: int = 100,
     reps: int = 1000,
     seed: int = 0,
+    panels: str = "env",
 ) -> Path:
     """Learning curves of ``metric``: one panel per env, one line per variant, one PNG at ``path``.
+
+    ``panels="condition"``: one panel per (env, tag), e.g. ``caveflyer: reward1e3``, whose lines are the
+    memories trained under that tag.
 
     ``aggregate="mean-std"``: mean ± std (ddof=1) across seeds. ``aggregate="iqm"``: IQM across seeds
     with a 95% stratified-bootstrap band (rliable, ``reps`` resamples, one bootstrap over all grid points
@@ -410,8 +558,15 @@ def plot_curves(
     matplotlib.use("Agg")  # files only, never a display
     import matplotlib.pyplot as plt
 
+    if panels not in ("env", "condition"):
+        raise ValueError(f"panels must be 'env' or 'condition', got {panels!r}")
+    if panels == "condition":
+        d_all = d_all.assign(env=d_all["env"] + d_all["variant"].map(lambda v: f": {_tag(v)}" if _tag(v) else ""))
+        styles = {v: {"color": MEMORY_COLORS.get(_base_memory(v), _EXTRA_COLORS[0]), "linestyle": "-"}
+                  for v in d_all["variant"].unique()}
+    else:
+        styles = variant_styles(d_all["variant"].unique())
     envs = sorted(d_all["env"].unique())
-    styles = variant_styles(d_all["variant"].unique())
     rows, cols = _grid_shape(len(envs))
     width = 6.4 if cols == 1 else 5.2 * cols  # a lone panel gets room for a 3-column legend
     fig, axes = plt.subplots(rows, cols, figsize=(width, 3.6 * rows + 0.6), squeeze=False,
@@ -430,7 +585,8 @@ def plot_curves(
             centre, lo, hi = _aggregate(vals, aggregate, reps, seed)
             st = styles[variant]
             lo_n, hi_n = n_seeds.loc[variant]
-            label = f"{variant} (n={lo_n})" if lo_n == hi_n else f"{variant} (n={lo_n}–{hi_n})"
+            name = _base_memory(variant) if panels == "condition" else variant
+            label = f"{name} (n={lo_n})" if lo_n == hi_n else f"{name} (n={lo_n}–{hi_n})"
             marker = "o" if len(grid) == 1 else None
             (line,) = ax.plot(grid, centre, color=st["color"], linestyle=st["linestyle"], lw=1.8,
                               marker=marker, label=label)
@@ -544,6 +700,47 @@ def to_markdown(summary: pd.DataFrame, *, metric: str = DEFAULT_METRIC, final_fr
     return "\n".join(lines) + "\n"
 
 
+def _ci(lo: float, hi: float) -> str:
+    return "n/a" if not (np.isfinite(lo) and np.isfinite(hi)) else f"[{_num(lo)}, {_num(hi)}]"
+
+
+def baseline_markdown(rel: pd.DataFrame, baseline: str, *, reps: int = 2000) -> str:
+    """Markdown table of :func:`relative_to_baseline`."""
+    lines = [f"## Against {baseline} (same tag)", "",
+             f"Ratios of the seeds' final values to {baseline}'s under the same tag. Mean ratio: 95% percentile "
+             f"bootstrap CI ({reps} reps, seeds resampled within each group). Std ratio (ddof=1): 95% CI from the "
+             f"F distribution of the variance ratio (normal final values assumed). P(improve) = rliable's probability that a run "
+             f"of the variant ends above a run of {baseline}, with its stratified-bootstrap CI.", "",
+             "| env | variant | vs | seeds | mean ratio | 95% CI | std ratio | 95% CI | P(improve) | 95% CI |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rel.itertuples(index=False):
+        lines.append(f"| {r.env} | {r.variant} | {r.baseline} | {r.n} vs {r.n_base} | {_num(r.mean_ratio)} "
+                     f"| {_ci(r.ratio_ci_low, r.ratio_ci_high)} | {_num(r.std_ratio)} "
+                     f"| {_ci(r.std_ci_low, r.std_ci_high)} | {_num(r.p_improve)} | {_ci(r.p_ci_low, r.p_ci_high)} |")
+    return "\n".join(lines) + "\n"
+
+
+def diagnostics_markdown(diag: pd.DataFrame, *, final_fraction: float = 0.1) -> str:
+    """Markdown table of :func:`diagnostics_summary`."""
+    lines = ["## Memory diagnostics", "",
+             f"saturated = fraction of gates saturated, mean over the last {final_fraction:.0%} of steps; peaks = "
+             "largest logged per-batch maximum over the whole run (median [max] across seeds); non-finite = "
+             "NaN/inf events in the memory state (runs with any / total events); |value target| = final mean "
+             "absolute PPO return target.", "",
+             "| env | variant | seeds | saturated | key norm peak | state norm peak | non-finite | |value target| |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in diag.itertuples(index=False):
+        lines.append(f"| {r.env} | {r.variant} | {r.n_seeds} | {_num(r.saturated_final)} "
+                     f"| {_sci(r.key_norm_peak_median)} [{_sci(r.key_norm_peak_max)}] "
+                     f"| {_sci(r.state_norm_peak_median)} [{_sci(r.state_norm_peak_max)}] "
+                     f"| {r.nonfinite_seeds} / {_num(r.nonfinite_events)} | {_sci(r.value_target_final)} |")
+    return "\n".join(lines) + "\n"
+
+
+def _sci(x: float) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{x:.3g}"
+
+
 # ------------------------------------------------------------------------------------------------- CLI
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -551,7 +748,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Compare rlseq runs (learning curves + final-return table) from TensorBoard event files. "
         + LAYOUT_HELP + ".",
     )
-    p.add_argument("runs_dir", type=Path, help="runs/<env> (one env) or runs/ (one panel/section per env)")
+    p.add_argument("runs_dir", type=Path,
+                   help="runs/<env> (one env), runs/ (one panel/section per env) or a --save-scalars CSV")
     p.add_argument("--out", type=Path, default=None, help="output folder (default: RUNS_DIR)")
     p.add_argument("--metric", default=DEFAULT_METRIC, help=f"scalar tag to compare (default {DEFAULT_METRIC})")
     p.add_argument("--final-fraction", type=float, default=0.1,
@@ -560,6 +758,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="curve aggregate across seeds (default mean-std)")
     p.add_argument("--reps", type=int, default=2000, help="bootstrap resamples for IQM CIs (default 2000)")
     p.add_argument("--points", type=int, default=100, help="grid points per learning curve (default 100)")
+    p.add_argument("--baseline", default=None, metavar="MEMORY",
+                   help="add a table of every variant against this memory under the same tag, e.g. deltanet")
+    p.add_argument("--panels", choices=("env", "condition"), default="env",
+                   help="one curve panel per env (default) or per env and tag (condition)")
+    p.add_argument("--save-scalars", type=Path, default=None, metavar="FILE.csv.gz",
+                   help="also write the rollout/, memory/, time/ and main train/ scalars to this CSV "
+                        "(RUNS_DIR may be such a file)")
     return p
 
 
@@ -567,22 +772,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; writes compare.png, compare_diagnostics.png (if any) and compare.md into --out."""
     args = _parser().parse_args(argv)
     runs_dir: Path = args.runs_dir
-    out: Path = args.out if args.out is not None else runs_dir
+    from_file = runs_dir.is_file()
+    out: Path = args.out if args.out is not None else (runs_dir.parent if from_file else runs_dir)
     try:
-        if not runs_dir.is_dir():
+        if not from_file and not runs_dir.is_dir():
             raise CompareError(f"runs directory not found: {runs_dir}")
         if args.reps < 1 or args.points < 1:
             raise CompareError("--reps and --points must be >= 1")
-        df = load_runs(runs_dir)
+        if args.baseline is not None and not re.fullmatch(r"[\w.]+", args.baseline):
+            raise CompareError(f"--baseline takes a memory name such as deltanet, got {args.baseline!r}")
+        df = load_scalars(runs_dir) if from_file else load_runs(runs_dir)
         summary = summarize(df, final_fraction=args.final_fraction, metric=args.metric, reps=args.reps)
         out.mkdir(parents=True, exist_ok=True)
-        written = [plot_curves(df, out / "compare.png", metric=args.metric, aggregate=args.aggregate,
-                               n_points=args.points, reps=args.reps)]
+        written = []
+        if args.save_scalars is not None:
+            args.save_scalars.parent.mkdir(parents=True, exist_ok=True)
+            keep = df["tag"].str.match(r"(rollout|memory|time)/") | df["tag"].isin(SAVED_TRAIN_TAGS)
+            df[keep].to_csv(args.save_scalars, index=False)
+            written.append(args.save_scalars)
+        written.append(plot_curves(df, out / "compare.png", metric=args.metric, aggregate=args.aggregate,
+                                   n_points=args.points, reps=args.reps, panels=args.panels))
         diag = plot_diagnostics(df, out / "compare_diagnostics.png", n_points=args.points)
         if diag is not None:
             written.append(diag)
         md = to_markdown(summary, metric=args.metric, final_fraction=args.final_fraction, reps=args.reps,
                          title=f"rlseq comparison: {runs_dir}")
+        if args.baseline is not None:
+            finals = final_returns(df, final_fraction=args.final_fraction, metric=args.metric)
+            rel = relative_to_baseline(finals, args.baseline, reps=args.reps)
+            if rel.empty:
+                raise CompareError(f"no variant has a {args.baseline} run under the same tag to compare with; "
+                                   f"variants: {', '.join(variant_order(finals['variant']))}")
+            md += "\n" + baseline_markdown(rel, args.baseline, reps=args.reps)
+        dsum = diagnostics_summary(df, final_fraction=args.final_fraction)
+        if not dsum.empty:
+            md += "\n" + diagnostics_markdown(dsum, final_fraction=args.final_fraction)
         (out / "compare.md").write_text(md)
         written.append(out / "compare.md")
     except (CompareError, ValueError) as e:

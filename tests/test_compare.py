@@ -195,9 +195,11 @@ def test_cli_writes_png_and_table(runs_root: Path, tmp_path: Path, capsys: pytes
         assert data[:8] == PNG_MAGIC and len(data) > 10_000
     md = (out / "compare.md").read_text()
     assert md == capsys.readouterr().out
+    returns_table, diagnostics = md.split("## Memory diagnostics")
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in md.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
+            for line in returns_table.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
     assert set(rows) == {"efla", "deltanet", "lstm"}
+    assert "| caveflyer | efla | 3 |" in diagnostics and "| caveflyer | deltanet |" not in diagnostics
     # seeds, env steps, final mean, std, IQM, CI, median, env-steps/s
     assert rows["efla"][:5] == ["3", "1k", "2.00", "1.00", "2.00"] and rows["efla"][6:] == ["2.00", "200"]
     assert rows["deltanet"][:5] == ["4", "1k", "4.25", f"{math.sqrt(16.25):.2f}", "3.00"]
@@ -244,3 +246,67 @@ def test_unknown_metric_cli(runs_root: Path, tmp_path: Path) -> None:
         with pytest.raises(SystemExit) as e:
             compare.main([str(runs_root / "caveflyer"), "--out", str(tmp_path), "--metric", "rollout/nope"])
     assert "rollout/nope" in str(e.value.code) and METRIC in str(e.value.code)
+
+
+def _finals(rows: dict[str, list[float]]) -> pd.DataFrame:
+    return pd.DataFrame([("cave", v, s, x, 1000) for v, xs in rows.items() for s, x in enumerate(xs)],
+                        columns=["env", "variant", "seed", "final", "last_step"])
+
+
+def test_relative_to_baseline_pairs_variants_by_tag() -> None:
+    from rliable import metrics
+    from scipy.stats import f as f_dist
+
+    a, b = [1.0, 2.0, 6.0], [2.0, 2.0, 5.0]
+    finals = _finals({"efla-r": a, "deltanet-r": b, "efla-v": [3.0, 3.0], "deltanet": [1.0, 2.0], "efla": [4.0]})
+    rel = compare.relative_to_baseline(finals, "deltanet", reps=500).set_index("variant")
+    assert set(rel.index) == {"efla-r", "efla"}  # efla-v has no deltanet-v; deltanet rows are the baseline
+    r = rel.loc["efla-r"]
+    assert r["baseline"] == "deltanet-r" and r["mean_ratio"] == pytest.approx(3.0 / 3.0)
+    s = np.std(a, ddof=1) / np.std(b, ddof=1)
+    assert r["std_ratio"] == pytest.approx(s)
+    assert r["std_ci_low"] == pytest.approx(s / math.sqrt(f_dist.ppf(0.975, 2, 2)))
+    assert r["std_ci_high"] == pytest.approx(s / math.sqrt(f_dist.ppf(0.025, 2, 2)))
+    assert r["ratio_ci_low"] < 1.0 < r["ratio_ci_high"]
+    p = metrics.probability_of_improvement(np.array(a)[:, None], np.array(b)[:, None])
+    assert r["p_improve"] == pytest.approx(p) and r["p_ci_low"] <= p <= r["p_ci_high"]
+    one = rel.loc["efla"]  # one seed against two: ratios but no CIs
+    assert one["mean_ratio"] == pytest.approx(4.0 / 1.5) and math.isnan(one["ratio_ci_low"])
+
+
+def test_diagnostics_summary_peaks_and_tail() -> None:
+    rows = []
+    for seed, (peak, nonfinite) in enumerate([(1e3, 0.0), (1e8, 2.0), (5.0, 0.0)]):
+        for step in range(0, 1001, 100):
+            rows += [("cave", "deltanet-r", seed, step, "memory/key_norm_max", peak * step / 1000),
+                     ("cave", "deltanet-r", seed, step, "memory/gate_saturated_frac", 1.0 if step >= 900 else 0.0),
+                     ("cave", "deltanet-r", seed, step, "memory/nonfinite_events", nonfinite * step / 1000),
+                     ("cave", "deltanet-r", seed, step, "train/value_target_abs_mean", 10.0 * seed)]
+    rows.append(("cave", "none", 0, 0, "rollout/ep_rew_mean", 1.0))  # no diagnostics: no row
+    d = compare.diagnostics_summary(pd.DataFrame(rows, columns=compare.COLUMNS))
+    assert list(d["variant"]) == ["deltanet-r"]
+    r = d.iloc[0]
+    assert r["saturated_final"] == 1.0 and r["key_norm_peak_median"] == 1e3 and r["key_norm_peak_max"] == 1e8
+    assert r["nonfinite_events"] == 2.0 and r["nonfinite_seeds"] == 1 and r["value_target_final"] == 10.0
+    assert math.isnan(r["state_norm_peak_max"])
+
+
+def test_cli_baseline_panels_and_scalars_roundtrip(runs_root: Path, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    out, csv = tmp_path / "out", tmp_path / "s" / "scalars.csv.gz"
+    assert compare.main([str(runs_root / "caveflyer"), "--out", str(out), "--reps", "200", "--baseline", "deltanet",
+                         "--panels", "condition", "--save-scalars", str(csv)]) == 0
+    md = capsys.readouterr().out
+    assert "## Against deltanet (same tag)" in md and "## Memory diagnostics" in md
+    row = next(line for line in md.splitlines() if line.startswith("| caveflyer | efla | deltanet |"))
+    assert row.split("|")[5].strip() == f"{2.0 / 4.25:.3g}"
+    saved = pd.read_csv(csv)
+    assert set(saved["tag"]) == {METRIC, "time/env_steps_per_s", "time/fps", "memory/key_norm_max",
+                                 "memory/gate_saturated_frac"}
+    # the saved summary reproduces the same tables without the event files
+    assert compare.main([str(csv), "--out", str(tmp_path / "again"), "--reps", "200", "--baseline", "deltanet"]) == 0
+    again = capsys.readouterr().out
+    assert again.split("\n", 1)[1] == md.split("\n", 1)[1]
+    with pytest.raises(SystemExit) as e:
+        compare.main([str(runs_root / "caveflyer"), "--out", str(tmp_path), "--baseline", "gru"])
+    assert "no variant has a gru run" in str(e.value.code)
