@@ -27,8 +27,11 @@ Parallelism: ``--runs-per-gpu`` processes on each GPU of ``--gpus`` (each pinned
 ``CUDA_VISIBLE_DEVICES``), or ``--parallel`` processes on the CPU with ``--gpus none``. Each process gets
 ``OMP_NUM_THREADS`` = CPU cores / processes unless set. A run that exits non-zero (for example a memory
 state that turned NaN, which the trainer reports with where it arose) is recorded as failed with the end
-of its log and is not retried: a divergence is a result. ``<logdir>/sweep-<name>.json`` holds the state of
-every run and is rewritten atomically whenever one starts or ends.
+of its log and is not retried: a divergence is a result. SIGINT or SIGTERM to the sweep is passed on to the
+running processes and starts no new one; the runs it stops are recorded as ``stopped`` and resume from their
+last checkpoint the next time the sweep is started. ``<logdir>/sweep-<name>.json`` holds the state of every
+run and is rewritten atomically whenever one starts or ends. The exit code is 0 when every run of the grid
+(or of ``--only``) finished, 1 when one failed or was stopped, 2 for a bad sweep file or flag.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class Run:
     condition: str
     argv: list[str]
     folder: Path
-    state: str = "pending"  # pending | finished | running | done | failed
+    state: str = "pending"  # pending | finished | running | done | failed | stopped
     returncode: int | None = None
     gpu: str | None = None
     started: float | None = None
@@ -87,9 +90,14 @@ def _flag_argv(flags: dict[str, Any], known: set[str]) -> list[str]:
     """
     argv: list[str] = []
     for key, value in flags.items():
+        key = str(key)
         if key in RESERVED_FLAGS:
             raise SweepError(f"flag {key!r} is set by the sweep for each run; remove it from the sweep file")
         opt = "--" + key.replace("_", "-")
+        if opt not in known:
+            flags_known = sorted(o[2:].replace("-", "_") for o in known
+                                 if o.startswith("--") and not o.startswith("--no-") and o[2:].replace("-", "_") not in RESERVED_FLAGS)
+            raise SweepError(f"unknown train flag {key!r}; flags of python -m rlseq.train: {', '.join(flags_known)}")
         if value is True:
             argv.append(opt)
         elif value is False:
@@ -119,7 +127,11 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     if not isinstance(conditions, dict) or not all(isinstance(v, dict) or v is None for v in conditions.values()):
         raise SweepError(f"{path}: 'conditions' must map a name to a mapping of train flags")
     spec["conditions"] = {str(k): dict(v or {}) for k, v in conditions.items()}
-    spec.setdefault("flags", {})
+    spec["flags"] = spec.get("flags") or {}
+    if not isinstance(spec["flags"], dict):
+        raise SweepError(f"{path}: 'flags' must be a mapping of train flags")
+    if "runs_per_gpu" in spec and (not isinstance(spec["runs_per_gpu"], int) or spec["runs_per_gpu"] < 1):
+        raise SweepError(f"{path}: 'runs_per_gpu' must be an integer >= 1")
     spec.setdefault("logdir", "runs")
     spec["name"] = path.stem
     return spec
@@ -134,9 +146,14 @@ def expand(spec: dict[str, Any], only: dict[str, set[str]] | None = None, logdir
     from rlseq.train import UsageError, build_parser, resolve, run_dir
 
     only = only or {}
-    for key in only:
+    grid = {"env": [str(e) for e in spec["envs"]], "memory": [str(m) for m in spec["memories"]],
+            "seed": [str(s) for s in spec["seeds"]], "condition": list(spec["conditions"])}
+    for key, wanted in only.items():
         if key not in FILTER_KEYS:
             raise SweepError(f"unknown filter {key!r}; valid filters: {', '.join(FILTER_KEYS)}")
+        missing = sorted(set(wanted) - set(grid[key]))
+        if missing:
+            raise SweepError(f"--only {key}={','.join(missing)}: not in the grid; valid {key} values: {', '.join(grid[key])}")
     logdir = str(logdir if logdir is not None else spec["logdir"])
     parser = build_parser()
     known = set(parser._option_string_actions)
@@ -156,7 +173,11 @@ def expand(spec: dict[str, Any], only: dict[str, set[str]] | None = None, logdir
             cfg = resolve(args)
         except UsageError as e:
             raise SweepError(f"run {env}/{memory}-{cond}/seed{seed}: {e}") from None
-        runs.append(Run(cfg["env"], str(memory), int(seed), cond, argv, run_dir(logdir, cfg)))
+        run = Run(cfg["env"], str(memory), int(seed), cond, argv, run_dir(logdir, cfg))
+        twin = next((r for r in runs if r.folder == run.folder), None)
+        if twin is not None:  # two processes would write one folder
+            raise SweepError(f"the grid names run {run.name} twice (check for repeated envs, memories or seeds)")
+        runs.append(run)
     if not runs:
         raise SweepError("the filters leave no run of the grid")
     return runs
@@ -185,7 +206,9 @@ def _parse_gpus(text: str) -> list[str] | None:
         n = torch.cuda.device_count()
         if n == 0:
             raise SweepError("--gpus all: no CUDA device is visible; use --gpus none --parallel N for the CPU")
-        return [str(i) for i in range(n)]
+        # the child's CUDA_VISIBLE_DEVICES replaces ours: pin it to what we see (ours may be "2,3" or UUIDs)
+        visible = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+        return visible[:n] if len(visible) >= n else [str(i) for i in range(n)]
     gpus = [g.strip() for g in text.split(",") if g.strip()]
     if not gpus or not all(g.isdigit() for g in gpus):
         raise SweepError(f"--gpus takes all, none or comma-separated GPU indices like 0,1; got {text!r}")
@@ -213,8 +236,11 @@ def _tail(path: Path, n: int = 15) -> list[str]:
 
 
 def execute(runs: list[Run], slots: list[str | None], *, status_path: Path, spec_name: str,
-            threads_per_run: int | None = None, poll_s: float = 2.0) -> int:
-    """Run the pending runs on ``slots`` (one process each); returns the number of failed runs."""
+            threads_per_run: int | None = None, poll_s: float = 0.5) -> int:
+    """Run the pending runs on ``slots`` (one process each); returns the number of failed runs.
+
+    A SIGINT/SIGTERM is passed on to the running processes; they are recorded as ``stopped``, not failed.
+    """
     for r in runs:
         if (r.folder / "final_model.zip").exists():
             r.state = "finished"
@@ -222,13 +248,19 @@ def execute(runs: list[Run], slots: list[str | None], *, status_path: Path, spec
     free = list(slots)
     active: dict[subprocess.Popen, tuple[Run, str | None]] = {}
     threads = threads_per_run or max(1, (os.cpu_count() or 1) // max(1, len(slots)))
-    stopping = False
+    stopping: int | None = None  # the signal that stops the sweep
+    signalled: set[subprocess.Popen] = set()  # processes it was passed on to: stopped, not failed
+
+    def forward(new_only: bool = False) -> None:
+        for proc in list(active):
+            if not (new_only and proc in signalled):
+                signalled.add(proc)
+                proc.send_signal(stopping)  # a no-op for a process that has exited
 
     def stop(signum, _frame):
         nonlocal stopping
-        stopping = True
-        for proc in active:
-            proc.send_signal(signum)
+        stopping = signum
+        forward()
 
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     print(f"sweep {spec_name}: {len(runs)} runs, {len(runs) - len(queue)} finished already, {len(queue)} to run "
@@ -239,7 +271,10 @@ def execute(runs: list[Run], slots: list[str | None], *, status_path: Path, spec
             while queue and free and not stopping:
                 run, slot = queue.pop(0), free.pop(0)
                 env = dict(os.environ, PYTHONUNBUFFERED="1")
-                env.setdefault("OMP_NUM_THREADS", str(threads))
+                if threads_per_run:  # an explicit --threads-per-run wins over the environment
+                    env["OMP_NUM_THREADS"] = str(threads_per_run)
+                else:
+                    env.setdefault("OMP_NUM_THREADS", str(threads))
                 argv = [sys.executable, "-m", "rlseq.train", *run.argv, "--resume", "--no-progress-bar"]
                 if slot is None:
                     env["CUDA_VISIBLE_DEVICES"] = ""
@@ -253,14 +288,16 @@ def execute(runs: list[Run], slots: list[str | None], *, status_path: Path, spec
                     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
                 run.state, run.gpu, run.started = "running", slot, time.time()
                 active[proc] = (run, slot)
+                if stopping:  # the signal came between Popen and here
+                    forward(new_only=True)
                 print(f"start  {run.name}  gpu={slot if slot is not None else 'cpu'}  "
                       f"from step {run_progress(run):,}", flush=True)
                 _write_status(status_path, spec_name, runs)
             for proc in [p for p in active if p.poll() is not None]:
                 run, slot = active.pop(proc)
                 run.returncode, run.seconds = proc.returncode, time.time() - run.started
-                run.state = "done" if proc.returncode == 0 else "failed"
-                run.log_tail = [] if proc.returncode == 0 else _tail(run.folder / "train.log")
+                run.state = "done" if proc.returncode == 0 else "stopped" if proc in signalled else "failed"
+                run.log_tail = _tail(run.folder / "train.log") if run.state == "failed" else []
                 free.append(slot)
                 print(f"{run.state:6} {run.name}  rc={proc.returncode}  {run.seconds / 60:.1f} min  "
                       f"steps={run_progress(run):,}", flush=True)
@@ -273,7 +310,7 @@ def execute(runs: list[Run], slots: list[str | None], *, status_path: Path, spec
             signal.signal(s, h)
         _write_status(status_path, spec_name, runs)
     failed = [r for r in runs if r.state == "failed"]
-    left = [r for r in runs if r.state in ("pending", "running")]
+    left = [r for r in runs if r.state in ("pending", "running", "stopped")]
     print(f"sweep {spec_name}: {sum(r.state in ('done', 'finished') for r in runs)} finished, {len(failed)} failed"
           + (f", {len(left)} not run (stopped)" if left else ""), flush=True)
     return len(failed)
@@ -344,9 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     logdir = Path(args.logdir if args.logdir is not None else spec["logdir"])
-    failed = execute(runs, slots, status_path=logdir / f"sweep-{spec['name']}.json", spec_name=spec["name"],
-                     threads_per_run=args.threads_per_run)
-    return 1 if failed else 0
+    execute(runs, slots, status_path=logdir / f"sweep-{spec['name']}.json", spec_name=spec["name"],
+            threads_per_run=args.threads_per_run)
+    return 0 if all(r.state in ("done", "finished") for r in runs) else 1
 
 
 if __name__ == "__main__":
