@@ -3,6 +3,7 @@
     python -m rlseq.train --env caveflyer --memory efla
     python -m rlseq.train --env caveflyer --memory deltanet --seed 1 --total-steps 5_000_000
     python -m rlseq.train --env caveflyer --memory lstm --algo sb3-recurrent-ppo
+    python -m rlseq.train --env caveflyer --memory efla --amp bf16 --fused-adam   # faster: bf16 CNN, fused Adam
 
 Runs land in ``<logdir>/<env>/<variant>/seed<N>/`` (``variant`` = memory, ``sb3-`` prefixed for the
 sb3-contrib algorithm, ``-<tag>`` appended), so ``tensorboard --logdir runs/caveflyer`` shows the memories
@@ -28,8 +29,9 @@ FLAG_TO_KEY = {
     "total_steps": "n_timesteps", "n_envs": "n_envs", "n_steps": "n_steps", "n_minibatches": "n_minibatches",
     "n_epochs": "n_epochs", "learning_rate": "learning_rate", "reward_scale": "reward_scale",
     "value_shift": "value_shift", "prev_action_reward": "prev_action_reward", "checkpoint_every": "checkpoint_every",
-    "normalize_reward": "normalize_reward",
+    "normalize_reward": "normalize_reward", "amp": "amp", "fused_adam": "fused_adam",
 }
+AMP_CHOICES = ("bf16", "none")
 
 
 class UsageError(ValueError):
@@ -64,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tf32", action="store_true",
                    help="allow TF32 convolutions and matmuls on the GPU (faster; acting and training then differ by "
                         "~1e-3, so PPO's first ratio is no longer exactly 1)")
+    p.add_argument("--amp", default=None, choices=AMP_CHOICES,
+                   help="bf16: run the CNN in bf16 autocast while acting and training (memory, heads, losses and "
+                        "optimizer stay fp32); none: all fp32 (config: amp; default none)")
+    p.add_argument("--fused-adam", action=argparse.BooleanOptionalAction, default=None,
+                   help="fused Adam (one kernel for all parameters; config: fused_adam; default off)")
     p.add_argument("--logdir", default="runs")
     p.add_argument("--tag", default=None, help="suffix of the run's variant folder, e.g. reward1e3")
     p.add_argument("--config", default=None, help=f"RL Zoo-style YAML file (default: {DEFAULT_CONFIG.name} of the repo)")
@@ -122,6 +129,12 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--n-minibatches {cfg['n_minibatches']} must divide --n-envs {cfg['n_envs']}")
     if cfg.get("value_shift") and not cfg.get("gamma"):
         raise UsageError("value_shift needs gamma in the config")
+    cfg["amp"] = None if cfg.get("amp") in (None, "none", False) else cfg["amp"]
+    if cfg["amp"] not in (None, "bf16"):
+        raise UsageError(f"amp {cfg['amp']!r} is not supported; valid: bf16, none")
+    if cfg["amp"] and args.algo != "rlseq":
+        raise UsageError("--amp needs --algo rlseq (sb3-contrib's RecurrentPPO has no autocast)")
+    cfg["fused_adam"] = bool(cfg.get("fused_adam", False))
     memory_kwargs = cfg.pop("memory_kwargs", {}) or {}
     cfg.update(env=env, memory=args.memory, algo=args.algo, seed=args.seed, tag=args.tag,
                memory_kwargs=dict(memory_kwargs.get(args.memory, {}) or {}))
@@ -164,11 +177,16 @@ def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | No
     """The algorithm and policy named by the config."""
     common = dict(ppo_kwargs(cfg, device), verbose=cfg.get("verbose", 0), tensorboard_log=tensorboard_log)
     policy_kwargs = dict(cfg.get("policy_kwargs") or {})
+    if cfg.get("fused_adam"):
+        # explicit optimizer_kwargs replace SB3's Adam default {eps: 1e-5}: keep that eps unless the config set one
+        policy_kwargs["optimizer_kwargs"] = {"eps": 1e-5, **(policy_kwargs.get("optimizer_kwargs") or {}), "fused": True}
     dict_obs = bool(cfg.get("prev_action_reward"))
     if cfg["algo"] == "rlseq":
         from rlseq.algos import MemoryPPO
 
         policy_kwargs.update(memory=cfg["memory"], memory_kwargs=cfg["memory_kwargs"])
+        if cfg.get("amp"):  # only when on, so the default policy_kwargs (and saved models) are unchanged
+            policy_kwargs.update(amp_dtype=cfg["amp"])
         return MemoryPPO("MultiInputPolicy" if dict_obs else "CnnPolicy", env, n_minibatches=cfg["n_minibatches"],
                          policy_kwargs=policy_kwargs, **common)
     from sb3_contrib import RecurrentPPO
@@ -215,18 +233,24 @@ def train(args: argparse.Namespace) -> Path:
     if args.resume and latest is None and folder.exists() and any(folder.glob("events.out.tfevents.*")):
         print(f"{folder} has no checkpoint yet: starting it again from step 0", flush=True)
     folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "config.yaml", "w") as f:
-        yaml.safe_dump({**cfg, "device": device}, f, sort_keys=True)
 
     env = make_env({**cfg, "normalize_reward": cfg.get("normalize_reward") and latest is None}, seed=cfg["seed"])
     if latest is not None and args.resume:
         env = load_vecnormalize(latest, env)
         algo = _algo_class(cfg)
         model = algo.load(latest / "model.zip", env=env, device=device)
+        try:
+            _adopt_saved_speed_settings(cfg, model, args)
+        except UsageError:
+            env.close()
+            raise
         set_rng_state(torch.load(latest / "rng.pt", weights_only=False))
         print(f"resuming {folder} from {latest.name} ({model.num_timesteps:,} env steps done)", flush=True)
     else:
         model = build_model(cfg, env, device)
+    # written once the model is known, so that a resumed run records the precision it really trains with
+    with open(folder / "config.yaml", "w") as f:
+        yaml.safe_dump({**cfg, "device": device}, f, sort_keys=True)
     model.set_logger(configure(str(folder), ["tensorboard"] + (["stdout"] if args.verbose else [])))
     remaining = cfg["n_timesteps"] - model.num_timesteps
     callbacks = [ScaledReturnLogger(), CheckpointCallback(ckpt_root, cfg["checkpoint_every"])]
@@ -241,6 +265,27 @@ def train(args: argparse.Namespace) -> Path:
     env.close()
     print(f"done: {model.num_timesteps:,} env steps in {folder}", flush=True)
     return folder
+
+
+def saved_speed_settings(model) -> dict[str, Any]:
+    """``{"amp": "bf16" | None, "fused_adam": bool}`` of a built or loaded model (what its policy really uses)."""
+    import torch
+
+    amp = getattr(model.policy, "amp_dtype", None)
+    fused = bool(getattr(model.policy, "optimizer_kwargs", None) and model.policy.optimizer_kwargs.get("fused"))
+    return {"amp": {None: None, torch.bfloat16: "bf16"}[amp], "fused_adam": fused}
+
+
+def _adopt_saved_speed_settings(cfg: dict[str, Any], model, args: argparse.Namespace) -> None:
+    """On ``--resume`` the checkpoint's amp / fused-Adam settings hold (they are saved in its ``policy_kwargs``);
+    a flag that asks for something else is refused rather than silently ignored."""
+    saved = saved_speed_settings(model)
+    for flag, key in (("amp", "amp"), ("fused_adam", "fused_adam")):
+        asked = getattr(args, flag)
+        if asked is not None and (None if asked == "none" else asked) != saved[key]:
+            raise UsageError(f"the run was trained with {key}={saved[key]}; resume it without --{flag.replace('_', '-')} "
+                             "or with the same setting")
+    cfg.update(saved)
 
 
 def _algo_class(cfg: dict[str, Any]):

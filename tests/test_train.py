@@ -136,6 +136,7 @@ def test_memory_state_nan_is_reported_with_where():
         (["--distribution-mode", "extreme"], "valid: easy, hard, memory, exploration"),
         (["--n-envs", "6", "--n-minibatches", "4"], "must divide"),
         (["--algo", "sb3-recurrent-ppo", "--memory", "none"], "needs a recurrent memory"),
+        (["--algo", "sb3-recurrent-ppo", "--amp", "bf16"], "--amp needs --algo rlseq"),
     ],
 )
 def test_bad_flags_fail_fast_with_the_valid_choices(argv, message, tmp_path, capsys, monkeypatch):
@@ -329,3 +330,163 @@ def test_truncated_episodes_are_bootstrapped_with_the_memory_of_the_ending_episo
     for t, out, exp in truncated_steps:
         assert np.allclose(out, exp, rtol=1e-6)
         assert all(out[i] != 1.0 for i in t)  # CartPole pays 1 per step: the bootstrap was added
+
+
+# --- speed options: bf16 autocast of the CNN, fused Adam ------------------------------------------------
+
+
+def _procgen_model(amp, n_envs: int = 4, n_steps: int = 16, seed: int = 0, **policy_kwargs) -> MemoryPPO:
+    from rlseq.envs import make_procgen
+
+    env = make_procgen("caveflyer", n_envs, seed=seed, num_threads=0)
+    model = MemoryPPO("CnnPolicy", env, n_steps=n_steps, n_minibatches=2, n_epochs=1, seed=seed, device="cpu",
+                      policy_kwargs=dict(memory="efla", memory_kwargs=MEMORY_KWARGS["efla"], amp_dtype=amp, **policy_kwargs))
+    model.set_logger(configure(None, []))
+    return model
+
+
+def test_amp_bf16_runs_only_the_cnn_in_bf16_in_acting_and_training():
+    model = _procgen_model("bf16")
+    policy = model.policy
+    assert policy.amp_dtype is torch.bfloat16
+    seen: dict[str, list] = {"conv": [], "memory": [], "heads": []}
+    phase = ["act"]
+    policy.features_extractor.stages[0].conv.register_forward_hook(lambda m, i, o: seen["conv"].append((phase[0], o.dtype)))
+    policy.memory.register_forward_pre_hook(lambda m, args: seen["memory"].append(args[0].dtype))  # training path
+    step = policy.memory.step
+    policy.memory.step = lambda x, *a, **k: (seen["memory"].append(x.dtype), step(x, *a, **k))[1]  # acting path
+    for head in (policy.action_net, policy.value_net):
+        head.register_forward_pre_hook(lambda m, args: seen["heads"].append(args[0].dtype))
+    _collect(model)  # acting, and the last values (predict_values)
+    phase[0] = "train"
+    model.train()
+    # the same autocast on both paths: that is what keeps PPO's first ratio ~1
+    assert {p for p, _ in seen["conv"]} == {"act", "train"}
+    assert all(dt == torch.bfloat16 for _, dt in seen["conv"])
+    assert seen["memory"] and all(dt == torch.float32 for dt in seen["memory"])
+    assert seen["heads"] and all(dt == torch.float32 for dt in seen["heads"])
+    assert model._memory_state.dtype == torch.float32
+    batch = model.rollout_buffer.batch(torch.arange(model.n_envs))
+    losses = model.ppo_losses(batch, clip_range=0.2, clip_range_vf=None)
+    assert all(v.dtype == torch.float32 for v in losses.values())
+    policy.optimizer.zero_grad()
+    losses["loss"].backward()
+    # parameters, their gradients and so Adam's moments stay fp32
+    assert all(p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32) for p in policy.parameters())
+    model.env.close()
+
+
+def test_amp_bf16_is_close_to_fp32_keeps_the_first_ratio_near_1_and_trains_finite():
+    model = _procgen_model("bf16")
+    _collect(model)
+    model.train()  # move the weights away from their initialisation
+    _collect(model, setup=False)
+    batch = model.rollout_buffer.batch(torch.arange(model.n_envs))
+    policy = model.policy
+    with torch.no_grad():
+        # recomputation under the same setting as acting: PPO's first ratio is ~1 (not exactly: bf16 rounds
+        # the CNN's output, and acting (4 frames) and training (64 frames) may accumulate in another order)
+        values, log_prob, _ = policy.evaluate_sequences(batch.observations, batch.actions, batch.initial_state,
+                                                        batch.episode_starts)
+        assert torch.allclose(log_prob.flatten(), batch.old_log_prob.flatten(), atol=1e-3)
+        assert torch.allclose(values.flatten(), batch.old_values.flatten(), atol=1e-2, rtol=1e-2)
+        amp = model.ppo_losses(batch, clip_range=0.2, clip_range_vf=None)
+        assert float(amp["approx_kl"]) < 1e-5
+        f_amp = policy._sequence_features(batch.observations, model.n_envs, model.n_steps)
+        policy.amp_dtype = None  # the same weights in fp32
+        f_32 = policy._sequence_features(batch.observations, model.n_envs, model.n_steps)
+        fp32 = model.ppo_losses(batch, clip_range=0.2, clip_range_vf=None)
+        _, log_prob_32, _ = policy.evaluate_sequences(batch.observations, batch.actions, batch.initial_state,
+                                                      batch.episode_starts)
+        policy.amp_dtype = torch.bfloat16
+    assert f_amp.dtype == torch.float32
+    assert float((f_amp - f_32).norm() / f_32.norm()) < 2e-2  # bf16 keeps 8 bits of mantissa: ~0.4% per value
+    assert torch.allclose(log_prob, log_prob_32, atol=1e-2)
+    for name in ("loss", "value_loss", "entropy_loss"):
+        assert torch.allclose(amp[name], fp32[name], rtol=5e-2, atol=1e-3), (name, amp[name], fp32[name])
+    model.learn(3 * model.n_envs * model.n_steps, reset_num_timesteps=False)
+    assert all(torch.isfinite(p).all() for p in policy.parameters())
+    model.env.close()
+
+
+def test_amp_dtype_accepts_bf16_only():
+    from rlseq.policies.actor_critic import parse_amp_dtype
+
+    assert parse_amp_dtype(None) is None and parse_amp_dtype("none") is None
+    assert parse_amp_dtype("bf16") is parse_amp_dtype(torch.bfloat16) is torch.bfloat16
+    with pytest.raises(ValueError, match="gradient scaler"):
+        parse_amp_dtype(torch.float16)
+    with pytest.raises(ValueError, match="unknown amp_dtype"):
+        parse_amp_dtype("fp8")
+
+
+def test_amp_off_is_the_exact_fp32_path():
+    model = _cartpole_model("efla", n_envs=2, n_steps=8)
+    assert model.policy.amp_dtype is None and "amp_dtype" not in model.policy_kwargs
+    obs = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(model.policy.features(obs), model.policy.features_extractor(obs))
+
+
+def test_fused_adam_gives_the_same_parameters_as_unfused():
+    models = []
+    for optimizer_kwargs in (None, dict(eps=1e-5, fused=True)):
+        env = make_vec_env("CartPole-v1", n_envs=4, seed=0)
+        model = MemoryPPO("MlpPolicy", env, n_steps=32, n_minibatches=2, n_epochs=3, seed=0, device="cpu",
+                          policy_kwargs=dict(memory="efla", memory_kwargs=MEMORY_KWARGS["efla"],
+                                             optimizer_kwargs=optimizer_kwargs))
+        model.set_logger(configure(None, []))
+        models.append(model)
+    unfused, fused = models
+    assert fused.policy.optimizer.defaults["fused"] and not unfused.policy.optimizer.defaults.get("fused")
+    assert fused.policy.optimizer.defaults["eps"] == unfused.policy.optimizer.defaults["eps"] == 1e-5
+    before = {k: v.clone() for k, v in unfused.policy.state_dict().items()}
+    assert all(torch.equal(before[k], v) for k, v in fused.policy.state_dict().items())  # same seed, same init
+    _collect(unfused)
+    fused.rollout_buffer = unfused.rollout_buffer  # the same data for both
+    for model in models:
+        torch.manual_seed(1)  # the same minibatch order
+        model.train()  # 3 epochs x 2 minibatches = 6 Adam steps
+    moved = 0
+    for (name, a), b in zip(unfused.policy.named_parameters(), fused.policy.parameters()):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), name
+        moved += int(not torch.equal(a, before[name]))
+    assert moved > 0, "the optimizer steps should move the parameters"
+
+
+def test_cli_amp_and_fused_adam_are_saved_and_survive_resume(tmp_path, capsys):
+    import yaml
+
+    base = ["--env", "caveflyer", "--memory", "efla", "--logdir", str(tmp_path), "--checkpoint-every", "32",
+            "--no-progress-bar", *TINY]
+    run = tmp_path / "caveflyer" / "efla" / "seed0"
+
+    def check(steps: int) -> None:
+        cfg = yaml.safe_load((run / "config.yaml").read_text())
+        assert cfg["amp"] == "bf16" and cfg["fused_adam"] is True
+        model = MemoryPPO.load(run / "final_model.zip", device="cpu")
+        assert model.num_timesteps == steps and model.policy.amp_dtype is torch.bfloat16
+        assert model.policy.optimizer.defaults["fused"] and model.policy.optimizer.defaults["eps"] == 1e-5
+
+    train_main(base + ["--total-steps", "32", "--amp", "bf16", "--fused-adam"])
+    check(32)
+    # an interrupted run: the final model is gone, the checkpoint at step 32 is there
+    (run / "final_model.zip").unlink()
+    with pytest.raises(SystemExit) as e:  # asking for another precision on resume is refused, not ignored
+        train_main(base + ["--total-steps", "64", "--resume", "--amp", "none"])
+    assert e.value.code == 2 and "trained with amp=bf16" in capsys.readouterr().err
+    train_main(base + ["--total-steps", "64", "--resume"])  # no flags: the checkpoint's settings hold
+    check(64)
+
+
+def test_bench_train_labels_the_speed_settings(capsys):
+    from rlseq.bench.__main__ import main as bench_main
+
+    bench_main(["train", "--variants", "rlseq-none", "rlseq-none+bf16+fused", "--n-envs", "2", "--n-steps", "8",
+                "--n-minibatches", "2", "--n-epochs", "1", "--num-threads", "0", "--warmup", "1", "--rollouts", "1",
+                "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "| variant (TF32 off, CNN fp32, Adam unfused) |" in out
+    assert "| rlseq-none+bf16+fused |" in out and "rlseq-none+bf16+fused (TF32 off, CNN bf16, Adam fused)" in out
+    with pytest.raises(SystemExit):
+        bench_main(["train", "--variants", "sb3-ppo+bf16"])

@@ -41,6 +41,11 @@ class MemoryPPO(PPO):
 
     ``predict(obs, state, episode_start)`` works as in sb3-contrib's RecurrentPPO, with ``state`` a NumPy
     array ``[n_envs, ...]`` holding the memory.
+
+    Speed options, both off by default and both saved with the model (they live in ``policy_kwargs``):
+    ``policy_kwargs=dict(amp_dtype=torch.bfloat16)`` runs the features extractor (the IMPALA CNN) in bf16
+    autocast while acting and training, the rest in fp32 (see :class:`MemoryPPOPolicy`);
+    ``policy_kwargs=dict(optimizer_kwargs=dict(eps=1e-5, fused=True))`` uses fused Adam.
     """
 
     policy_aliases: ClassVar[dict[str, type]] = {

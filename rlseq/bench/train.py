@@ -10,6 +10,13 @@ Variants: ``rlseq-none``, ``rlseq-efla``, ``rlseq-deltanet``, ``rlseq-lstm`` (Me
 ``sb3-lstm`` and ``sb3-ppo`` use SB3's default NatureCNN, as a user's stock script would; the rlseq variants
 and ``sb3-lstm-impala`` (RecurrentPPO with the same IMPALA CNN and a 256-unit LSTM, the like-for-like
 baseline of ``rlseq-lstm``) use the IMPALA CNN of the config.
+
+Speed settings, labelled in the tables: ``--tf32`` (TF32 convolutions and matmuls for every variant; off by
+default, as in ``python -m rlseq.train``, so the baseline is true fp32), ``--amp bf16`` (the CNN in bf16
+autocast) and ``--fused-adam``, the last two for the rlseq variants only (the sb3 variants stay stock). A
+variant may also carry its own settings after ``+``, so one call compares them side by side in one process::
+
+    python -m rlseq.bench train --variants rlseq-efla rlseq-efla+bf16 rlseq-efla+bf16+fused rlseq-efla+bf16+fused+tf32
 """
 
 from __future__ import annotations
@@ -22,12 +29,14 @@ import torch
 from rlseq.bench.timing import describe_environment
 
 VARIANTS = ("rlseq-none", "rlseq-efla", "rlseq-deltanet", "rlseq-lstm", "sb3-lstm", "sb3-lstm-impala", "sb3-ppo")
+OPTIONS = ("bf16", "fused", "tf32")  # per-variant settings: VARIANT+OPTION[+OPTION...]
 PHASES = ("env", "act", "buffer", "train_forward", "train_backward", "optimizer", "diagnostics")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", default="caveflyer")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), type=_variant, metavar="VARIANT[+OPTION]",
+                        help=f"{', '.join(VARIANTS)}; options (rlseq variants): {', '.join(OPTIONS)} (tf32: any)")
     parser.add_argument("--n-envs", type=int, default=None, help="default: the config's (64)")
     parser.add_argument("--n-steps", type=int, default=None, help="default: the config's (256)")
     parser.add_argument("--n-minibatches", type=int, default=None)
@@ -37,12 +46,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rollouts", type=int, default=2, help="timed rollouts")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tf32", action="store_true", help="allow TF32 convolutions and matmuls for every variant")
+    parser.add_argument("--amp", default="none", choices=("bf16", "none"), help="CNN autocast of the rlseq variants")
+    parser.add_argument("--fused-adam", action="store_true", help="fused Adam for the rlseq variants")
 
 
-def _config(args: argparse.Namespace, memory: str, algo: str) -> dict:
+def _variant(name: str) -> str:
+    """Validate ``VARIANT[+OPTION...]`` (argparse type)."""
+    base, *options = name.split("+")
+    if base not in VARIANTS:
+        raise argparse.ArgumentTypeError(f"unknown variant {base!r}; valid: {', '.join(VARIANTS)}")
+    for option in options:
+        if option not in OPTIONS:
+            raise argparse.ArgumentTypeError(f"unknown option {option!r} of {name}; valid: {', '.join(OPTIONS)}")
+        if option != "tf32" and not base.startswith("rlseq-"):
+            raise argparse.ArgumentTypeError(f"{option} applies to the rlseq variants only, not {base}")
+    return name
+
+
+def settings(variant: str, args: argparse.Namespace) -> dict:
+    """``{"tf32": bool, "amp": "bf16" | None, "fused_adam": bool}`` of one variant: the flags plus its ``+`` options.
+    amp and fused Adam only ever apply to the rlseq variants."""
+    base, *options = variant.split("+")
+    rlseq = base.startswith("rlseq-")
+    return {"tf32": bool(args.tf32) or "tf32" in options,
+            "amp": "bf16" if rlseq and (args.amp == "bf16" or "bf16" in options) else None,
+            "fused_adam": rlseq and (bool(args.fused_adam) or "fused" in options)}
+
+
+def describe_settings(s: dict) -> str:
+    return f"TF32 {'on' if s['tf32'] else 'off'}, CNN {s['amp'] or 'fp32'}, Adam {'fused' if s['fused_adam'] else 'unfused'}"
+
+
+def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None = None) -> dict:
     from rlseq.train import build_parser, resolve
 
     argv = ["--env", args.env, "--memory", memory, "--algo", algo, "--seed", str(args.seed)]
+    if speed is not None:  # always explicit, so a config file's amp / fused_adam cannot leak into the labels
+        argv += ["--amp", speed["amp"] or "none", "--fused-adam" if speed["fused_adam"] else "--no-fused-adam"]
     for flag in ("n_envs", "n_steps", "n_minibatches", "n_epochs", "num_threads"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -54,8 +95,12 @@ def _build(variant: str, args: argparse.Namespace, device: str):
 
     from rlseq.train import build_model, make_env, ppo_kwargs
 
+    speed = settings(variant, args)
+    # a process-wide switch, read when kernels run: set per variant, before it builds or runs anything
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = speed["tf32"]
+    variant = variant.split("+")[0]
     if variant.startswith("rlseq-"):
-        cfg = _config(args, variant.split("-", 1)[1], "rlseq")
+        cfg = _config(args, variant.split("-", 1)[1], "rlseq", speed)
         model = build_model(cfg, make_env(cfg, seed=args.seed), device)
     else:
         cfg = _config(args, "lstm", "rlseq")
@@ -117,15 +162,18 @@ def main(args: argparse.Namespace) -> None:
     print(describe_environment(torch.device(device)))
     cfg = _config(args, "efla", "rlseq")
     print(f"{args.env}, {cfg['n_envs']} envs x {cfg['n_steps']} steps, {cfg['n_epochs']} epochs, "
-          f"{cfg['n_minibatches']} minibatches; {args.warmup} warm-up + {args.rollouts} timed rollouts per variant\n")
+          f"{cfg['n_minibatches']} minibatches; {args.warmup} warm-up + {args.rollouts} timed rollouts per variant")
+    defaults = settings("rlseq-none", args)
+    label = describe_settings(defaults)
+    print(f"settings: {label} (amp and fused Adam: rlseq variants only; a variant's +options add to these)\n")
     results = []
     for variant in args.variants:
         res = measure(variant, args, device)
         results.append(res)
-        print(f"  {variant}: {res['steps_per_s']:,.0f} env-steps/s", flush=True)
+        print(f"  {variant} ({describe_settings(settings(variant, args))}): {res['steps_per_s']:,.0f} env-steps/s", flush=True)
     base = {r["variant"]: r["steps_per_s"] for r in results}
     ref = base.get("rlseq-none")
-    print("\n| variant | env-steps/s | vs rlseq-none | vs sb3-lstm |")
+    print(f"\n| variant ({label}) | env-steps/s | vs rlseq-none | vs sb3-lstm |")
     print("|---|---:|---:|---:|")
     for r in results:
         vs_none = f"{r['steps_per_s'] / ref:.2f}x" if ref else "n/a"
@@ -135,7 +183,7 @@ def main(args: argparse.Namespace) -> None:
     if profiled:
         names = [p for p in PHASES if any(p in r["phases"] for r in profiled)] + ["other"]
         print("\nShare of a profiled rollout (device synchronised at phase boundaries):\n")
-        print("| variant | profiled env-steps/s | " + " | ".join(names) + " |")
+        print(f"| variant ({label}) | profiled env-steps/s | " + " | ".join(names) + " |")
         print("|---|---:|" + "---:|" * len(names))
         for r in profiled:
             cells = " | ".join(f"{100 * r['phases'].get(n, 0.0):.0f}%" for n in names)

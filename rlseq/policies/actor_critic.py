@@ -43,6 +43,22 @@ def _mlp(in_dim: int, sizes: list[int], activation: type[nn.Module]) -> tuple[nn
     return nn.Sequential(*layers), in_dim
 
 
+AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+
+
+def parse_amp_dtype(amp_dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``None`` / ``"none"`` → None; ``torch.bfloat16`` / ``"bf16"`` / ``"bfloat16"`` → ``torch.bfloat16``."""
+    if amp_dtype is None or amp_dtype in ("none", "fp32", "float32"):
+        return None
+    if isinstance(amp_dtype, str):
+        if amp_dtype not in AMP_DTYPES:
+            raise ValueError(f"unknown amp_dtype {amp_dtype!r}; valid: None, {', '.join(AMP_DTYPES)}")
+        return AMP_DTYPES[amp_dtype]
+    if amp_dtype == torch.bfloat16:
+        return amp_dtype
+    raise ValueError(f"amp_dtype {amp_dtype} is not supported: use torch.bfloat16 (fp16 would need a gradient scaler)")
+
+
 class MemoryPPOPolicy(BasePolicy):
     """Actor-critic with a sequence memory between the features extractor and the heads.
 
@@ -59,6 +75,12 @@ class MemoryPPOPolicy(BasePolicy):
     :param features_extractor_class: default chosen from the observation space
         (:func:`default_features_extractor`).
     :param ortho_init: SB3's orthogonal initialisation of the heads (gain 0.01 policy, 1 value).
+    :param amp_dtype: ``None`` (default: everything in fp32) or ``torch.bfloat16`` (also ``"bf16"``): run the
+        features extractor (the IMPALA CNN) under ``torch.autocast`` with that dtype, in acting and in training
+        alike, and cast its output back to fp32. The memory, the heads, the losses and the optimizer stay fp32.
+        fp16 is refused: it would need a gradient scaler.
+    :param optimizer_kwargs: SB3's; ``None`` means ``{"eps": 1e-5}`` for Adam. Fused Adam is
+        ``optimizer_kwargs=dict(eps=1e-5, fused=True)`` (give ``eps`` too: explicit kwargs replace the default).
 
     The recurrent state is one tensor per batch of environments, ``[n_envs, ...]`` (see
     :meth:`initial_state`); ``predict`` takes and returns it as a NumPy array.
@@ -80,6 +102,7 @@ class MemoryPPOPolicy(BasePolicy):
         normalize_images: bool = True,
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.Adam,
         optimizer_kwargs: dict[str, Any] | None = None,
+        amp_dtype: torch.dtype | str | None = None,
     ):
         if use_sde:
             raise ValueError("gSDE is not supported by MemoryPPOPolicy")
@@ -99,6 +122,7 @@ class MemoryPPOPolicy(BasePolicy):
         self.net_arch = list(net_arch or [])
         self.activation_fn = activation_fn
         self.ortho_init = ortho_init
+        self.amp_dtype = parse_amp_dtype(amp_dtype)
 
         self.features_extractor = self.make_features_extractor()
         self.memory: Memory = make_memory(memory, self.features_extractor.features_dim, **self.memory_kwargs)
@@ -126,6 +150,7 @@ class MemoryPPOPolicy(BasePolicy):
             normalize_images=self.normalize_images,
             optimizer_class=self.optimizer_class,
             optimizer_kwargs=self.optimizer_kwargs,
+            amp_dtype=self.amp_dtype,
             lr_schedule=self._dummy_schedule,
         )
         return data
@@ -139,8 +164,18 @@ class MemoryPPOPolicy(BasePolicy):
     # --- pieces -----------------------------------------------------------------------------------------
 
     def features(self, obs: PyTorchObs) -> torch.Tensor:
-        """``obs [N, ...]`` → features ``[N, F]``."""
-        return self.features_extractor(preprocess_obs(obs, self.observation_space, normalize_images=self.normalize_images))
+        """``obs [N, ...]`` → features ``[N, F]``, fp32 (the extractor runs under autocast when ``amp_dtype`` is set).
+
+        Every path (acting, training, values, diagnostics) goes through here, so acting and training see the
+        same precision and PPO's first ratio stays ~1.
+        """
+        x = preprocess_obs(obs, self.observation_space, normalize_images=self.normalize_images)
+        if self.amp_dtype is None:
+            return self.features_extractor(x)
+        with torch.autocast(device_type=self.device.type, dtype=self.amp_dtype):
+            features = self.features_extractor(x)
+        # the memory's kernels and the heads expect fp32
+        return features.float()
 
     def _heads(self, memory_out: torch.Tensor) -> tuple[Distribution, torch.Tensor]:
         latent = self.trunk(memory_out)
