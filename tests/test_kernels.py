@@ -423,3 +423,21 @@ def test_torch_backward_accepts_non_contiguous_inputs_and_unused_outputs():
     (gq,) = torch.autograd.grad(o.sum(), [q])  # the final state unused: its gradient is zero
     (gq_ref,) = torch.autograd.grad(o_ref.sum(), [q])
     assert rel_err(gq, gq_ref) < 1e-10
+
+
+def test_torch_no_grad_forward_is_repeatable_and_never_overwrites_earlier_outputs():
+    """Without a backward the forward updates its intermediates in place: repeated calls (with and without resets,
+    other shapes in between) must give the same results, and returned tensors must not be overwritten."""
+    inps = [random_inputs(2, 40, 2, 16, 8, rule="efla", reset_prob=0.1, generator=_gen(31 + i)) for i in range(2)]
+    other = random_inputs(3, 20, 2, 8, 8, rule="efla", generator=_gen(33))
+    with torch.no_grad():
+        first = [_call(x, "efla", "torch") for x in inps]
+        keep = [(o.clone(), s.clone()) for o, s in first]
+        _call(other, "efla", "torch")
+        _call({**inps[0], "resets": None}, "efla", "torch")
+        again = [_call(x, "efla", "torch") for x in inps]
+    for (o, s), (o0, s0), (o1, s1) in zip(first, keep, again):
+        assert torch.equal(o, o0) and torch.equal(s, s0)  # outputs of earlier calls untouched
+        assert torch.equal(o1, o0) and torch.equal(s1, s0)
+    o_ref, s_ref = _call(inps[1], "efla", "reference")
+    assert rel_err(again[1][0], o_ref) < 1e-10 and rel_err(again[1][1], s_ref) < 1e-10

@@ -20,6 +20,8 @@ two small products per chunk), and batches everything else over all chunks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -42,12 +44,18 @@ SOLVE_BLOCK = 16
 
 _CONSTS: dict = {}
 
+def _buffers(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> dict:
+    """Uninitialised buffers of ``shapes``, allocated in one place so the forward's memory use is visible."""
+    return {n: torch.empty(sh, dtype=dtype, device=device) for n, sh in shapes.items()}
 
-def _chunk_masks(resets: torch.Tensor | None, B: int, N: int, C: int, dtype: torch.dtype, device: torch.device):
+
+def _chunk_masks(resets: torch.Tensor | None, B: int, N: int, C: int, dtype: torch.dtype, device: torch.device,
+                 bufs: dict | None = None):
     """The masks of :func:`segment_masks` as ``dtype`` factors in the chunk layout, for ``resets [B, ≤ N·C]`` (or None).
 
     Returns ``m_strict, m_lower [N, B, 1, C, C]`` (``same`` ⊙ strictly lower / lower), ``sees, last [N, B, 1, C, 1]``
-    and ``carry [N, B, 1, 1]``; without resets the two triangles ``[C, C]`` and None for the rest.
+    and ``carry [N, B, 1, 1]``; without resets the two triangles ``[C, C]`` and None for the rest. ``bufs`` may hold
+    ``m_strict, m_lower [N, B, C, C]`` and ``flags [2, N, B, C]`` to write into.
     """
     key = (C, dtype, device)
     if key not in _CONSTS:
@@ -56,16 +64,20 @@ def _chunk_masks(resets: torch.Tensor | None, B: int, N: int, C: int, dtype: tor
     strict, lower, eye = _CONSTS[key]
     if resets is None:
         return strict, lower, None, None, None
+    if bufs is None:
+        bufs = {n: torch.empty(sh, dtype=dtype, device=device)
+                for n, sh in (("m_strict", (N, B, C, C)), ("m_lower", (N, B, C, C)), ("flags", (2, N, B, C)))}
     r = F.pad(resets, (0, N * C - resets.shape[1])) if resets.shape[1] != N * C else resets
-    seg = r.view(B, N, C).to(torch.int32).cumsum(-1).transpose(0, 1)  # [N, B, C]: episode index inside the chunk
-    m_lower = torch.empty(N, B, 1, C, C, dtype=dtype, device=device)
-    torch.eq(seg.unsqueeze(-1), seg.unsqueeze(-2), out=m_lower.squeeze(2)).mul_(lower)
-    flags = torch.empty(2, N, B, C, dtype=dtype, device=device)
+    # [N, B, C]: episode index inside the chunk, in dtype (exact: at most C) so the comparisons need no casts
+    seg = r.view(B, N, C).to(dtype).cumsum(-1).transpose(0, 1)
+    m_lower, m_strict, flags = bufs["m_lower"], bufs["m_strict"], bufs["flags"]
+    torch.eq(seg.unsqueeze(-1), seg.unsqueeze(-2), out=m_lower).mul_(lower)
+    torch.sub(m_lower, eye, out=m_strict)
     torch.eq(seg, 0, out=flags[0])  # sees
     torch.eq(seg, seg[..., -1:], out=flags[1])  # last
     sees, last = flags[0].view(N, B, 1, C, 1), flags[1].view(N, B, 1, C, 1)
     carry = sees[..., -1:, 0]  # [N, B, 1, 1]: no reset in the chunk, so its last row still sees S₀
-    return m_lower - eye, m_lower, sees, last, carry
+    return m_strict.unsqueeze(2), m_lower.unsqueeze(2), sees, last, carry
 
 
 def _unit_lower_inverse_rows(a: torch.Tensor) -> torch.Tensor:
@@ -95,7 +107,7 @@ def _block_masks(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torc
     return _MASKS[key]
 
 
-def _unit_lower_inverse_block(a: torch.Tensor) -> torch.Tensor:
+def _unit_lower_inverse_block(a: torch.Tensor, work: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """``(I + A)⁻¹`` for diagonal blocks ``a [..., n, n]`` with ``n ≤ 16`` and every ``|A_ij| ≤ 2``, in the dtype of ``a``.
 
     4×4 diagonal blocks by forward substitution written out along the three subdiagonals (elementwise over
@@ -103,13 +115,14 @@ def _unit_lower_inverse_block(a: torch.Tensor) -> torch.Tensor:
     substitution, so it cannot cancel badly. Then recursive doubling, which is the blocked triangular inverse:
     with ``P_b`` the inverse of the b×b diagonal blocks and ``A_b`` the part of A in the b×b blocks just below
     them (inside each 2b block), ``P_2b = P_b − P_b A_b P_b`` (exact: ``P_b A_b`` is nilpotent of order 2).
-    Four batched products of n×n matrices in all, no product form over a whole chunk.
+    Four batched products of n×n matrices in all, no product form over a whole chunk. ``work``: three
+    ``[batch, n, n]`` buffers to use instead of fresh ones (the result is one of them).
     """
     n = a.shape[-1]
     lead = a.shape[:-2]
     x = a.reshape(-1, n, n)
     eye, neg, offs = _block_masks(n, a.dtype, a.device)
-    p = torch.empty_like(x)
+    p, t, u = work if work is not None else (torch.empty_like(x), None, None)
     p.copy_(eye)
     if n > 1:
         a1, pd1 = x.diagonal(-1, -2, -1), p.diagonal(-1, -2, -1)  # [batch, n − 1]: entries (i, i − 1)
@@ -118,11 +131,12 @@ def _unit_lower_inverse_block(a: torch.Tensor) -> torch.Tensor:
         a2, pd2 = x.diagonal(-2, -2, -1), p.diagonal(-2, -2, -1)
         torch.mul(torch.addcmul(a2, a1[:, 1:], a1[:, :-1], value=-1), neg[1], out=pd2)
     if n > 3:
-        t = torch.addcmul(x.diagonal(-3, -2, -1), a1[:, 2:], pd2[:, :-1])
-        t.addcmul_(a2[:, 1:], pd1[:, :-2])
-        torch.mul(t, neg[2], out=p.diagonal(-3, -2, -1))
+        r = torch.addcmul(x.diagonal(-3, -2, -1), a1[:, 2:], pd2[:, :-1])
+        r.addcmul_(a2[:, 1:], pd1[:, :-2])
+        torch.mul(r, neg[2], out=p.diagonal(-3, -2, -1))
     if offs:
-        t, u = torch.empty_like(p), torch.empty_like(p)
+        if t is None:
+            t, u = torch.empty_like(p), torch.empty_like(p)
         for off in offs:
             torch.mul(x, off, out=t)
             torch.bmm(t, p, out=u)
@@ -130,7 +144,7 @@ def _unit_lower_inverse_block(a: torch.Tensor) -> torch.Tensor:
     return p.view(*lead, n, n)
 
 
-def unit_lower_inverse(a: torch.Tensor, *, bounded: bool = False) -> torch.Tensor:
+def unit_lower_inverse(a: torch.Tensor, *, bounded: bool = False, work: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
     """``(I + A)⁻¹`` for strictly lower-triangular ``a [..., C, C]``.
 
     The 16×16 diagonal blocks are inverted for all blocks of all chunks at once (4×4 product form and recursive doubling,
@@ -140,7 +154,8 @@ def unit_lower_inverse(a: torch.Tensor, *, bounded: bool = False) -> torch.Tenso
     keys repeat with gates near 1, and cancel catastrophically. On the CPU this is also faster than a batched
     LAPACK triangular solve, which pays a call per small matrix. ``C`` must be a multiple of 16 or at most 16.
     ``bounded=True`` promises ``|A_ij| ≤ 1`` (EFLA's unit keys and gates below 1) and skips the check (a host
-    sync) that sends larger entries to row-by-row substitution.
+    sync) that sends larger entries to row-by-row substitution. ``work``: buffers for :func:`_unit_lower_inverse_block`
+    when ``C ≤ 16``.
     """
     C = a.shape[-1]
     if not bounded and a.abs().amax() > 2:  # one host sync; this is the CPU path
@@ -150,7 +165,7 @@ def unit_lower_inverse(a: torch.Tensor, *, bounded: bool = False) -> torch.Tenso
         raise ValueError(f"chunk length {C} must be a multiple of {SOLVE_BLOCK} or at most {SOLVE_BLOCK}")
     nb = C // bs
     if nb == 1:
-        return _unit_lower_inverse_block(a)
+        return _unit_lower_inverse_block(a, work)
     lead = a.shape[:-2]
     blocks = a.view(*lead, nb, bs, nb, bs)
     inv_diag = _unit_lower_inverse_block(blocks.diagonal(dim1=-4, dim2=-2).movedim(-1, -3))  # [..., nb, bs, bs]
@@ -188,28 +203,44 @@ class _ChunkFunction(torch.autograd.Function):
         def cv(x: torch.Tensor) -> torch.Tensor:  # [B, N·C, H, D] → a strided [N, B, H, C, D] view
             return x.view(B, N, C, H, -1).permute(1, 0, 3, 2, 4)
 
+        BH = B * H
+        shapes = {"qg": (N, B, H, 2 * C, K), "kc": (N, B, H, C, K), "wc": (N, B, H, C, V),
+                  "prod": (N, B, H, 2 * C, C), "states": (N + keep, BH, K, V), "d": (N, BH, C, V)}
+        if keep:
+            shapes.update(gc=(N, B, H, C, 1))
+        else:  # the inverse's buffers and M are spent inside the call
+            shapes.update(p=(N * BH, C, C), t=(N * BH, C, C), u=(N * BH, C, C), m=(N, BH, C, K))
+        if resets is not None:
+            shapes.update(m_strict=(N, B, C, C), m_lower=(N, B, C, C), flags=(2, N, B, C))
+        buf = _buffers(shapes, dt, dev)
+
         c, g, s = unit_key_scales(k, beta, rule)
         # Q and diag(g) K̂ stacked along the rows of one buffer: one product gives QK̂ᵀ and diag(g) K̂K̂ᵀ
-        qg = torch.empty(N, B, H, 2 * C, K, dtype=dt, device=dev)
+        qg, kc, wc = buf["qg"], buf["kc"], buf["wc"]
         qc, gk = qg[..., :C, :], qg[..., C:, :]
         qc.copy_(cv(q))
         if c is None:
-            kc = cv(k).contiguous()
+            kc.copy_(cv(k))
         else:  # k̂ = c k, written straight into the chunk layout (one pass)
-            kc = torch.empty(N, B, H, C, K, dtype=dt, device=dev)
             torch.mul(cv(k), cv(c.unsqueeze(-1)), out=kc)
-        wc = torch.empty(N, B, H, C, V, dtype=dt, device=dev)
         torch.mul(cv(v), cv(s.unsqueeze(-1)), out=wc)
-        gc = cv(g.unsqueeze(-1)).contiguous()  # [N, B, H, C, 1]
-        torch.mul(kc, gc, out=gk)
-        m_strict, m_lower, sees, last, carry = _chunk_masks(resets, B, N, C, dt, dev)
+        if keep:  # the backward wants g in the chunk layout
+            gc = buf["gc"]
+            gc.copy_(cv(g.unsqueeze(-1)))  # [N, B, H, C, 1]
+        torch.mul(kc, gc if keep else cv(g.unsqueeze(-1)), out=gk)
+        m_strict, m_lower, sees, last, carry = _chunk_masks(resets, B, N, C, dt, dev, None if resets is None else buf)
 
-        prod = qg @ kc.transpose(-1, -2)  # [N, B, H, 2C, C]
-        qk = prod[..., :C, :].mul_(m_lower)
-        a = prod[..., C:, :].mul_(m_strict)
-        p = unit_lower_inverse(a, bounded=rule == "efla")  # EFLA: unit keys and gates in [0, 1] bound every |A_ij| by 1
-        # Without a backward (keep False), intermediates are updated in place and dropped once spent, so later
-        # buffers reuse cache-hot memory: the forward is bound by memory traffic at these sizes.
+        prod = buf["prod"]
+        torch.bmm(_bmm(qg), _bmm(kc).transpose(-1, -2), out=_bmm(prod))  # [N, B, H, 2C, C]
+        qk, a = prod[..., :C, :], prod[..., C:, :]
+        if rule == "efla":  # the inverse reads only A's strictly lower part: one mask for both halves
+            prod.view(N, B, H, 2, C, C).mul_(m_lower.unsqueeze(-3))
+        else:  # DeltaNet's bound check reads all of A
+            qk.mul_(m_lower)
+            a.mul_(m_strict)
+        work = None if keep else (buf["p"], buf["t"], buf["u"])
+        p = unit_lower_inverse(a, bounded=rule == "efla", work=work)  # EFLA: unit keys and gates in [0, 1] bound every |A_ij| by 1
+        # Without a backward (keep False), intermediates are updated in place, so later steps read cache-hot memory
         if sees is None:
             gks = gk
         else:
@@ -218,38 +249,34 @@ class _ChunkFunction(torch.autograd.Function):
             kl = kc
         else:
             kl = kc.mul_(last) if not keep else kc * last
-        if not keep:
-            del kc, prod, a
 
         # the state recurrence, chunk by chunk (batched over B·H): D = U − M S₀ with U = P W and M = P diag(g·sees) K̂
         # precomputed for all chunks (diag(sees) commutes with P: block-diagonal over episodes), then
         # S₁ = carry·S₀ + K̂ᵀ diag(last) D. Every op in the loop is in place or out=: no copies, no allocations.
-        BH = B * H
-        states = torch.empty(N + 1, BH, K, V, dtype=dt, device=dev)
+        states, d = buf["states"], buf["d"]  # the state entering each chunk (and the final one when saved)
+        final = states[N] if keep else torch.empty(BH, K, V, dtype=dt, device=dev)  # returned: never a workspace buffer
         if h0 is None:
             states[0].zero_()
         else:
             states[0].copy_(h0.reshape(BH, K, V))
-        d = torch.empty(N, BH, C, V, dtype=dt, device=dev)
         torch.bmm(_bmm(p), _bmm(wc), out=_bmm(d))
-        m = _bmm(p).bmm(_bmm(gks)).view(N, BH, C, K)
-        if not keep:
-            del p, gks
+        m = torch.bmm(_bmm(p), _bmm(gks), out=_bmm(buf["m"])) if not keep else _bmm(p).bmm(_bmm(gks))
+        m = m.view(N, BH, C, K)
         # per-chunk views made once (unbind), not by indexing inside the loop
-        st, dn, mn = states.unbind(0), d.unbind(0), m.unbind(0)
+        st = states[:N].unbind(0) + (final,)
+        dn, mn = d.unbind(0), m.unbind(0)
         klt = kl.view(N, BH, C, K).transpose(-1, -2).unbind(0)
         if carry is None:
             for n in range(N):
                 dn[n].baddbmm_(mn[n], st[n], alpha=-1)
                 torch.baddbmm(st[n], klt[n], dn[n], out=st[n + 1])
         else:
-            flat, cn = states.view(N + 1, B, H * K * V).unbind(0), carry.view(N, B, 1).unbind(0)
+            flat = states[:N].view(N, B, H * K * V).unbind(0) + (final.view(B, H * K * V),)
+            cn = carry.view(N, B, 1).unbind(0)
             for n in range(N):
                 dn[n].baddbmm_(mn[n], st[n], alpha=-1)
                 torch.mul(flat[n], cn[n], out=flat[n + 1])
                 st[n + 1].baddbmm_(klt[n], dn[n])
-        if not keep:
-            del m, mn, kl, klt
         s0 = states[:N].view(N, B, H, K, V)
         d = d.view(N, B, H, C, V)
         o = torch.bmm(_bmm(qc), _bmm(s0), out=_bmm(wc)).view(N, B, H, C, V)  # W is spent: reuse its memory
@@ -258,7 +285,7 @@ class _ChunkFunction(torch.autograd.Function):
         _bmm(o).baddbmm_(_bmm(qk), _bmm(d))
         out = torch.empty(B, N * C, H, V, dtype=dt, device=dev)
         cv(out).copy_(o)
-        final = states[N].view(B, H, K, V)
+        final = final.view(B, H, K, V)
 
         if not keep:
             return out[:, :T] if pad else out, final
