@@ -339,6 +339,8 @@ def relative_to_baseline(finals: pd.DataFrame, baseline: str, *, reps: int = 200
     stratified-bootstrap CI (``p_ci_low/high``). Ratios are NaN where the baseline's mean or std is 0;
     CIs are NaN with fewer than 2 seeds on either side.
     """
+    from scipy.stats import f as f_dist
+
     library, metrics = _rliable()
     rng = np.random.default_rng(seed)
     rows = []
@@ -356,8 +358,6 @@ def relative_to_baseline(finals: pd.DataFrame, baseline: str, *, reps: int = 200
                "p_improve": float(metrics.probability_of_improvement(x[:, None], y[:, None])),
                "p_ci_low": math.nan, "p_ci_high": math.nan}
         if len(x) > 1 and len(y) > 1:
-            from scipy.stats import f as f_dist
-
             row["std_ratio"] = r = _safe_div(x.std(ddof=1), y.std(ddof=1))
             dfs = (len(x) - 1, len(y) - 1)
             row["std_ci_low"] = r / math.sqrt(f_dist.ppf(0.975, *dfs))

@@ -20,8 +20,6 @@ two small products per chunk), and batches everything else over all chunks.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -49,13 +47,11 @@ def _buffers(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype, device: tor
     return {n: torch.empty(sh, dtype=dtype, device=device) for n, sh in shapes.items()}
 
 
-def _chunk_masks(resets: torch.Tensor | None, B: int, N: int, C: int, dtype: torch.dtype, device: torch.device,
-                 bufs: dict | None = None):
+def _chunk_masks(resets: torch.Tensor | None, B: int, N: int, C: int, dtype: torch.dtype, device: torch.device):
     """The masks of :func:`segment_masks` as ``dtype`` factors in the chunk layout, for ``resets [B, ≤ N·C]`` (or None).
 
     Returns ``m_strict, m_lower [N, B, 1, C, C]`` (``same`` ⊙ strictly lower / lower), ``sees, last [N, B, 1, C, 1]``
-    and ``carry [N, B, 1, 1]``; without resets the two triangles ``[C, C]`` and None for the rest. ``bufs`` may hold
-    ``m_strict, m_lower [N, B, C, C]`` and ``flags [2, N, B, C]`` to write into.
+    and ``carry [N, B, 1, 1]``; without resets the two triangles ``[C, C]`` and None for the rest.
     """
     key = (C, dtype, device)
     if key not in _CONSTS:
@@ -64,13 +60,11 @@ def _chunk_masks(resets: torch.Tensor | None, B: int, N: int, C: int, dtype: tor
     strict, lower, eye = _CONSTS[key]
     if resets is None:
         return strict, lower, None, None, None
-    if bufs is None:
-        bufs = {n: torch.empty(sh, dtype=dtype, device=device)
-                for n, sh in (("m_strict", (N, B, C, C)), ("m_lower", (N, B, C, C)), ("flags", (2, N, B, C)))}
     r = F.pad(resets, (0, N * C - resets.shape[1])) if resets.shape[1] != N * C else resets
     # [N, B, C]: episode index inside the chunk, in dtype (exact: at most C) so the comparisons need no casts
     seg = r.view(B, N, C).to(dtype).cumsum(-1).transpose(0, 1)
-    m_lower, m_strict, flags = bufs["m_lower"], bufs["m_strict"], bufs["flags"]
+    m_lower, m_strict = torch.empty(2, N, B, C, C, dtype=dtype, device=device).unbind(0)
+    flags = torch.empty(2, N, B, C, dtype=dtype, device=device)
     torch.eq(seg.unsqueeze(-1), seg.unsqueeze(-2), out=m_lower).mul_(lower)
     torch.sub(m_lower, eye, out=m_strict)
     torch.eq(seg, 0, out=flags[0])  # sees
@@ -107,7 +101,7 @@ def _block_masks(n: int, dtype: torch.dtype, device: torch.device) -> tuple[torc
     return _MASKS[key]
 
 
-def _unit_lower_inverse_block(a: torch.Tensor, work: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+def _unit_lower_inverse_block(a: torch.Tensor) -> torch.Tensor:
     """``(I + A)⁻¹`` for diagonal blocks ``a [..., n, n]`` with ``n ≤ 16`` and every ``|A_ij| ≤ 2``, in the dtype of ``a``.
 
     4×4 diagonal blocks by forward substitution written out along the three subdiagonals (elementwise over
@@ -115,15 +109,13 @@ def _unit_lower_inverse_block(a: torch.Tensor, work: tuple[torch.Tensor, ...] | 
     substitution, so it cannot cancel badly. Then recursive doubling, which is the blocked triangular inverse:
     with ``P_b`` the inverse of the b×b diagonal blocks and ``A_b`` the part of A in the b×b blocks just below
     them (inside each 2b block), ``P_2b = P_b − P_b A_b P_b`` (exact: ``P_b A_b`` is nilpotent of order 2).
-    Four batched products of n×n matrices in all, no product form over a whole chunk. ``work``: three
-    ``[batch, n, n]`` buffers to use instead of fresh ones (the result is one of them).
+    Four batched products of n×n matrices in all, no product form over a whole chunk.
     """
     n = a.shape[-1]
     lead = a.shape[:-2]
     x = a.reshape(-1, n, n)
     eye, neg, offs = _block_masks(n, a.dtype, a.device)
-    p, t, u = work if work is not None else (torch.empty_like(x), None, None)
-    p.copy_(eye)
+    p = torch.empty_like(x).copy_(eye)
     if n > 1:
         a1, pd1 = x.diagonal(-1, -2, -1), p.diagonal(-1, -2, -1)  # [batch, n − 1]: entries (i, i − 1)
         torch.mul(a1, neg[0], out=pd1)
@@ -135,8 +127,7 @@ def _unit_lower_inverse_block(a: torch.Tensor, work: tuple[torch.Tensor, ...] | 
         r.addcmul_(a2[:, 1:], pd1[:, :-2])
         torch.mul(r, neg[2], out=p.diagonal(-3, -2, -1))
     if offs:
-        if t is None:
-            t, u = torch.empty_like(p), torch.empty_like(p)
+        t, u = torch.empty_like(p), torch.empty_like(p)  # reused through out=
         for off in offs:
             torch.mul(x, off, out=t)
             torch.bmm(t, p, out=u)
@@ -144,18 +135,17 @@ def _unit_lower_inverse_block(a: torch.Tensor, work: tuple[torch.Tensor, ...] | 
     return p.view(*lead, n, n)
 
 
-def unit_lower_inverse(a: torch.Tensor, *, bounded: bool = False, work: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+def unit_lower_inverse(a: torch.Tensor, *, bounded: bool = False) -> torch.Tensor:
     """``(I + A)⁻¹`` for strictly lower-triangular ``a [..., C, C]``.
 
-    The 16×16 diagonal blocks are inverted for all blocks of all chunks at once (4×4 product form and recursive doubling,
+    The 16×16 diagonal blocks are inverted for all blocks of all chunks at once (4×4 blocks by substitution, then recursive doubling,
     :func:`_unit_lower_inverse_block`), then the blocks below the diagonal by blocked forward substitution
     (``P_ij = −P_ii Σ_m A_im P_mj``, one block row at a time). Over a whole chunk the product form
     ``Π (I + (-A)^{2^j})`` would be unusable: its powers of A reach binomial sizes (≈1e18 for C = 64) when unit
     keys repeat with gates near 1, and cancel catastrophically. On the CPU this is also faster than a batched
     LAPACK triangular solve, which pays a call per small matrix. ``C`` must be a multiple of 16 or at most 16.
     ``bounded=True`` promises ``|A_ij| ≤ 1`` (EFLA's unit keys and gates below 1) and skips the check (a host
-    sync) that sends larger entries to row-by-row substitution. ``work``: buffers for :func:`_unit_lower_inverse_block`
-    when ``C ≤ 16``.
+    sync) that sends larger entries to row-by-row substitution.
     """
     C = a.shape[-1]
     if not bounded and a.abs().amax() > 2:  # one host sync; this is the CPU path
@@ -165,7 +155,7 @@ def unit_lower_inverse(a: torch.Tensor, *, bounded: bool = False, work: tuple[to
         raise ValueError(f"chunk length {C} must be a multiple of {SOLVE_BLOCK} or at most {SOLVE_BLOCK}")
     nb = C // bs
     if nb == 1:
-        return _unit_lower_inverse_block(a, work)
+        return _unit_lower_inverse_block(a)
     lead = a.shape[:-2]
     blocks = a.view(*lead, nb, bs, nb, bs)
     inv_diag = _unit_lower_inverse_block(blocks.diagonal(dim1=-4, dim2=-2).movedim(-1, -3))  # [..., nb, bs, bs]
@@ -208,10 +198,8 @@ class _ChunkFunction(torch.autograd.Function):
                   "prod": (N, B, H, 2 * C, C), "states": (N + keep, BH, K, V), "d": (N, BH, C, V)}
         if keep:
             shapes.update(gc=(N, B, H, C, 1))
-        else:  # the inverse's buffers and M are spent inside the call
-            shapes.update(p=(N * BH, C, C), t=(N * BH, C, C), u=(N * BH, C, C), m=(N, BH, C, K))
-        if resets is not None:
-            shapes.update(m_strict=(N, B, C, C), m_lower=(N, B, C, C), flags=(2, N, B, C))
+        else:  # M is spent inside the call
+            shapes.update(m=(N, BH, C, K))
         buf = _buffers(shapes, dt, dev)
 
         c, g, s = unit_key_scales(k, beta, rule)
@@ -228,7 +216,7 @@ class _ChunkFunction(torch.autograd.Function):
             gc = buf["gc"]
             gc.copy_(cv(g.unsqueeze(-1)))  # [N, B, H, C, 1]
         torch.mul(kc, gc if keep else cv(g.unsqueeze(-1)), out=gk)
-        m_strict, m_lower, sees, last, carry = _chunk_masks(resets, B, N, C, dt, dev, None if resets is None else buf)
+        m_strict, m_lower, sees, last, carry = _chunk_masks(resets, B, N, C, dt, dev)
 
         prod = buf["prod"]
         torch.bmm(_bmm(qg), _bmm(kc).transpose(-1, -2), out=_bmm(prod))  # [N, B, H, 2C, C]
@@ -238,8 +226,7 @@ class _ChunkFunction(torch.autograd.Function):
         else:  # DeltaNet's bound check reads all of A
             qk.mul_(m_lower)
             a.mul_(m_strict)
-        work = None if keep else (buf["p"], buf["t"], buf["u"])
-        p = unit_lower_inverse(a, bounded=rule == "efla", work=work)  # EFLA: unit keys and gates in [0, 1] bound every |A_ij| by 1
+        p = unit_lower_inverse(a, bounded=rule == "efla")  # EFLA: unit keys and gates in [0, 1] bound every |A_ij| by 1
         # Without a backward (keep False), intermediates are updated in place, so later steps read cache-hot memory
         if sees is None:
             gks = gk
@@ -254,7 +241,7 @@ class _ChunkFunction(torch.autograd.Function):
         # precomputed for all chunks (diag(sees) commutes with P: block-diagonal over episodes), then
         # S₁ = carry·S₀ + K̂ᵀ diag(last) D. Every op in the loop is in place or out=: no copies, no allocations.
         states, d = buf["states"], buf["d"]  # the state entering each chunk (and the final one when saved)
-        final = states[N] if keep else torch.empty(BH, K, V, dtype=dt, device=dev)  # returned: never a workspace buffer
+        final = states[N] if keep else torch.empty(BH, K, V, dtype=dt, device=dev)  # its own tensor: the caller need not hold every chunk's state
         if h0 is None:
             states[0].zero_()
         else:
