@@ -29,7 +29,8 @@ FLAG_TO_KEY = {
     "total_steps": "n_timesteps", "n_envs": "n_envs", "n_steps": "n_steps", "n_minibatches": "n_minibatches",
     "n_epochs": "n_epochs", "learning_rate": "learning_rate", "reward_scale": "reward_scale",
     "value_shift": "value_shift", "prev_action_reward": "prev_action_reward", "checkpoint_every": "checkpoint_every",
-    "normalize_reward": "normalize_reward", "amp": "amp", "fused_adam": "fused_adam",
+    "normalize_reward": "normalize_reward", "amp": "amp", "fused_adam": "fused_adam", "cuda_graph": "cuda_graph",
+    "channels_last": "channels_last",
 }
 AMP_CHOICES = ("bf16", "none")
 
@@ -71,6 +72,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "optimizer stay fp32); none: all fp32 (config: amp; default none)")
     p.add_argument("--fused-adam", action=argparse.BooleanOptionalAction, default=None,
                    help="fused Adam (one kernel for all parameters; config: fused_adam; default off)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay the acting step from a CUDA graph (GPU only; same computation and random draws, fewer "
+                        "launches; config: cuda_graph; default off)")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="NHWC memory layout for the CNN (cuDNN's tensor-core layout, mostly with --amp bf16; "
+                        "config: channels_last; default off)")
     p.add_argument("--logdir", default="runs")
     p.add_argument("--tag", default=None, help="suffix of the run's variant folder, e.g. reward1e3")
     p.add_argument("--config", default=None, help=f"RL Zoo-style YAML file (default: {DEFAULT_CONFIG.name} of the repo)")
@@ -135,6 +142,14 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     if cfg["amp"] and args.algo != "rlseq":
         raise UsageError("--amp needs --algo rlseq (sb3-contrib's RecurrentPPO has no autocast)")
     cfg["fused_adam"] = bool(cfg.get("fused_adam", False))
+    cfg["cuda_graph"] = bool(cfg.get("cuda_graph", False))
+    cfg["channels_last"] = bool(cfg.get("channels_last", False))
+    if cfg["channels_last"] and args.algo != "rlseq":
+        raise UsageError("--channels-last needs --algo rlseq")
+    if cfg["cuda_graph"] and args.algo != "rlseq":
+        raise UsageError("--cuda-graph needs --algo rlseq (sb3-contrib's RecurrentPPO acts eagerly)")
+    if cfg["cuda_graph"] and args.device == "cpu":
+        raise UsageError("--cuda-graph needs a GPU; drop it with --device cpu")
     memory_kwargs = cfg.pop("memory_kwargs", {}) or {}
     cfg.update(env=env, memory=args.memory, algo=args.algo, seed=args.seed, tag=args.tag,
                memory_kwargs=dict(memory_kwargs.get(args.memory, {}) or {}))
@@ -187,8 +202,10 @@ def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | No
         policy_kwargs.update(memory=cfg["memory"], memory_kwargs=cfg["memory_kwargs"])
         if cfg.get("amp"):  # only when on, so the default policy_kwargs (and saved models) are unchanged
             policy_kwargs.update(amp_dtype=cfg["amp"])
+        if cfg.get("channels_last"):
+            policy_kwargs.update(channels_last=True)
         return MemoryPPO("MultiInputPolicy" if dict_obs else "CnnPolicy", env, n_minibatches=cfg["n_minibatches"],
-                         policy_kwargs=policy_kwargs, **common)
+                         policy_kwargs=policy_kwargs, cuda_graph=cfg.get("cuda_graph", False), **common)
     from sb3_contrib import RecurrentPPO
 
     import rlseq.policies as P
@@ -244,6 +261,8 @@ def train(args: argparse.Namespace) -> Path:
         except UsageError:
             env.close()
             raise
+        if cfg["algo"] == "rlseq":
+            model.cuda_graph = cfg["cuda_graph"]  # how acting is launched, not what it computes: the flag decides
         set_rng_state(torch.load(latest / "rng.pt", weights_only=False))
         print(f"resuming {folder} from {latest.name} ({model.num_timesteps:,} env steps done)", flush=True)
     else:
@@ -268,19 +287,21 @@ def train(args: argparse.Namespace) -> Path:
 
 
 def saved_speed_settings(model) -> dict[str, Any]:
-    """``{"amp": "bf16" | None, "fused_adam": bool}`` of a built or loaded model (what its policy really uses)."""
+    """``{"amp": "bf16" | None, "fused_adam": bool, "channels_last": bool}`` of a built or loaded model (what its
+    policy really uses)."""
     import torch
 
     amp = getattr(model.policy, "amp_dtype", None)
     fused = bool(getattr(model.policy, "optimizer_kwargs", None) and model.policy.optimizer_kwargs.get("fused"))
-    return {"amp": {None: None, torch.bfloat16: "bf16"}[amp], "fused_adam": fused}
+    return {"amp": {None: None, torch.bfloat16: "bf16"}[amp], "fused_adam": fused,
+            "channels_last": bool(getattr(model.policy, "channels_last", False))}
 
 
 def _adopt_saved_speed_settings(cfg: dict[str, Any], model, args: argparse.Namespace) -> None:
-    """On ``--resume`` the checkpoint's amp / fused-Adam settings hold (they are saved in its ``policy_kwargs``);
+    """On ``--resume`` the checkpoint's amp / fused-Adam / channels-last settings hold (saved in its ``policy_kwargs``);
     a flag that asks for something else is refused rather than silently ignored."""
     saved = saved_speed_settings(model)
-    for flag, key in (("amp", "amp"), ("fused_adam", "fused_adam")):
+    for flag, key in (("amp", "amp"), ("fused_adam", "fused_adam"), ("channels_last", "channels_last")):
         asked = getattr(args, flag)
         if asked is not None and (None if asked == "none" else asked) != saved[key]:
             raise UsageError(f"the run was trained with {key}={saved[key]}; resume it without --{flag.replace('_', '-')} "

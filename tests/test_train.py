@@ -137,6 +137,9 @@ def test_memory_state_nan_is_reported_with_where():
         (["--n-envs", "6", "--n-minibatches", "4"], "must divide"),
         (["--algo", "sb3-recurrent-ppo", "--memory", "none"], "needs a recurrent memory"),
         (["--algo", "sb3-recurrent-ppo", "--amp", "bf16"], "--amp needs --algo rlseq"),
+        (["--algo", "sb3-recurrent-ppo", "--cuda-graph"], "--cuda-graph needs --algo rlseq"),
+        (["--cuda-graph", "--device", "cpu"], "--cuda-graph needs a GPU"),
+        (["--algo", "sb3-recurrent-ppo", "--channels-last"], "--channels-last needs --algo rlseq"),
     ],
 )
 def test_bad_flags_fail_fast_with_the_valid_choices(argv, message, tmp_path, capsys, monkeypatch):
@@ -428,6 +431,27 @@ def test_amp_off_is_the_exact_fp32_path():
         assert torch.equal(model.policy.features(obs), model.policy.features_extractor(obs))
 
 
+def test_channels_last_is_the_same_network_in_nhwc_and_survives_save_load(tmp_path):
+    models = [_procgen_model(None, channels_last=cl) for cl in (False, True)]
+    nchw, nhwc = (m.policy for m in models)
+    nhwc.load_state_dict(nchw.state_dict())
+    conv = nhwc.features_extractor.stages[0].conv.weight
+    assert conv.is_contiguous(memory_format=torch.channels_last) and not conv.is_contiguous()
+    _collect(models[0])
+    batch = models[0].rollout_buffer.batch(torch.arange(4))
+    with torch.no_grad():
+        out = [p.evaluate_sequences(batch.observations, batch.actions, batch.initial_state, batch.episode_starts)
+               for p in (nchw, nhwc)]
+    for a, b in zip(out[0], out[1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    models[1].save(tmp_path / "m.zip")
+    loaded = MemoryPPO.load(tmp_path / "m.zip", device="cpu")
+    assert loaded.policy.channels_last
+    assert loaded.policy.features_extractor.stages[0].conv.weight.is_contiguous(memory_format=torch.channels_last)
+    for m in models:
+        m.env.close()
+
+
 def test_fused_adam_gives_the_same_parameters_as_unfused():
     models = []
     for optimizer_kwargs in (None, dict(eps=1e-5, fused=True)):
@@ -482,11 +506,14 @@ def test_cli_amp_and_fused_adam_are_saved_and_survive_resume(tmp_path, capsys):
 def test_bench_train_labels_the_speed_settings(capsys):
     from rlseq.bench.__main__ import main as bench_main
 
-    bench_main(["train", "--variants", "rlseq-none", "rlseq-none+bf16+fused", "--n-envs", "2", "--n-steps", "8",
+    bench_main(["train", "--variants", "rlseq-none", "rlseq-none+bf16+fused+nhwc", "--n-envs", "2", "--n-steps", "8",
                 "--n-minibatches", "2", "--n-epochs", "1", "--num-threads", "0", "--warmup", "1", "--rollouts", "1",
                 "--device", "cpu"])
     out = capsys.readouterr().out
-    assert "| variant (TF32 off, CNN fp32, Adam unfused) |" in out
-    assert "| rlseq-none+bf16+fused |" in out and "rlseq-none+bf16+fused (TF32 off, CNN bf16, Adam fused)" in out
+    assert "| variant (TF32 off, CNN fp32, Adam unfused, acting eager, CNN layout NCHW) |" in out
+    assert "| rlseq-none+bf16+fused+nhwc |" in out
+    assert "rlseq-none+bf16+fused+nhwc (TF32 off, CNN bf16, Adam fused, acting eager, CNN layout NHWC)" in out
     with pytest.raises(SystemExit):
         bench_main(["train", "--variants", "sb3-ppo+bf16"])
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        bench_main(["train", "--variants", "rlseq-none+graph", "--device", "cpu"])

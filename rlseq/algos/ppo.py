@@ -24,6 +24,7 @@ from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedul
 from stable_baselines3.common.utils import FloatSchedule, obs_as_tensor
 from stable_baselines3.common.vec_env import VecEnv
 
+from rlseq.algos.acting import ActingStep
 from rlseq.algos.buffer import SequenceRolloutBuffer
 from rlseq.algos.phases import PhaseTimer
 from rlseq.policies.actor_critic import MemoryPPOPolicy
@@ -46,6 +47,8 @@ class MemoryPPO(PPO):
     ``policy_kwargs=dict(amp_dtype=torch.bfloat16)`` runs the features extractor (the IMPALA CNN) in bf16
     autocast while acting and training, the rest in fp32 (see :class:`MemoryPPOPolicy`);
     ``policy_kwargs=dict(optimizer_kwargs=dict(eps=1e-5, fused=True))`` uses fused Adam.
+    ``cuda_graph=True`` replays the acting step from a CUDA graph on CUDA devices (ignored on the CPU; see
+    :class:`~rlseq.algos.acting.ActingStep`): same computation and same random draws, fewer launches.
     """
 
     policy_aliases: ClassVar[dict[str, type]] = {
@@ -79,10 +82,13 @@ class MemoryPPO(PPO):
         verbose: int = 0,
         seed: int | None = None,
         device: torch.device | str = "auto",
+        cuda_graph: bool = False,
         _init_setup_model: bool = True,
     ):
         self.n_minibatches = n_minibatches
         self._memory_state: torch.Tensor | None = None
+        self.cuda_graph = cuda_graph
+        self._acting: ActingStep | None = None
         self.phases = PhaseTimer()  # enable with model.phases.enabled = True (python -m rlseq.bench train)
         super().__init__(
             policy, env, learning_rate=learning_rate, n_steps=n_steps, batch_size=2, n_epochs=n_epochs,
@@ -118,7 +124,7 @@ class MemoryPPO(PPO):
             self.clip_range_vf = FloatSchedule(self.clip_range_vf)
 
     def _excluded_save_params(self) -> list[str]:
-        return super()._excluded_save_params() + ["_memory_state", "phases"]
+        return super()._excluded_save_params() + ["_memory_state", "phases", "_acting"]
 
     def _setup_learn(self, total_timesteps: int, callback: MaybeCallback = None, reset_num_timesteps: bool = True,
                      tb_log_name: str = "run", progress_bar: bool = False) -> tuple[int, BaseCallback]:
@@ -138,20 +144,16 @@ class MemoryPPO(PPO):
         rollout_buffer.reset(self._memory_state)
         callback.on_rollout_start()
         t0 = time.perf_counter()
-        starts = torch.as_tensor(self._last_episode_starts, device=self.device).bool()
+        if self._acting is None or self._acting.policy is not self.policy:
+            self._acting = ActingStep(self.policy, cuda_graph=self.cuda_graph and self.device.type == "cuda")
         phase = self.phases
         for n_steps in range(n_rollout_steps):
-            with phase("act"), torch.no_grad():
-                obs_tensor = obs_as_tensor(self._last_obs, self.device)
-                try:
-                    actions, values, log_probs = self.policy(obs_tensor, self._memory_state, starts)
-                except ValueError:  # torch's distributions reject NaN logits: say whether the memory caused it
-                    self.policy.memory.check_finite(self._memory_state, where=f"acting at env step {self.num_timesteps}")
-                    raise
-                actions_np = actions.cpu().numpy()
-            clipped = actions_np
+            with phase("act"):
+                step = self._acting.step(self._last_obs, self._last_episode_starts, self._memory_state,
+                                         where=f"acting at env step {self.num_timesteps}")
+            clipped = step.actions_np
             if isinstance(self.action_space, spaces.Box):
-                clipped = np.clip(actions_np, self.action_space.low, self.action_space.high)
+                clipped = np.clip(clipped, self.action_space.low, self.action_space.high)
             with phase("env"):
                 new_obs, rewards, dones, infos = env.step(clipped)
             self.num_timesteps += env.num_envs
@@ -161,10 +163,10 @@ class MemoryPPO(PPO):
             self._update_info_buffer(infos, dones)
             rewards = self._bootstrap_truncated(rewards, dones, infos)
             with phase("buffer"):
-                rollout_buffer.add(obs_tensor, actions, torch.as_tensor(rewards, device=self.device, dtype=torch.float32),
-                                   starts, values, log_probs)
+                rollout_buffer.add(step.obs, step.actions, torch.as_tensor(rewards, device=self.device, dtype=torch.float32),
+                                   step.episode_starts, step.values, step.log_probs)
                 self._last_obs, self._last_episode_starts = new_obs, dones
-                starts = torch.as_tensor(dones, device=self.device).bool()
+        starts = torch.as_tensor(dones, device=self.device).bool()
         with phase("act"), torch.no_grad():
             last_values = self.policy.predict_values(obs_as_tensor(new_obs, self.device), self._memory_state, starts)
         with phase("buffer"):

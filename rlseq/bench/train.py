@@ -13,10 +13,11 @@ baseline of ``rlseq-lstm``) use the IMPALA CNN of the config.
 
 Speed settings, labelled in the tables: ``--tf32`` (TF32 convolutions and matmuls for every variant; off by
 default, as in ``python -m rlseq.train``, so the baseline is true fp32), ``--amp bf16`` (the CNN in bf16
-autocast) and ``--fused-adam``, the last two for the rlseq variants only (the sb3 variants stay stock). A
+autocast), ``--fused-adam``, ``--cuda-graph`` (acting replayed from a CUDA graph) and ``--channels-last`` (NHWC
+CNN; options ``bf16``, ``fused``, ``graph``, ``nhwc``), all but TF32 for the rlseq variants only (the sb3 variants stay stock). A
 variant may also carry its own settings after ``+``, so one call compares them side by side in one process::
 
-    python -m rlseq.bench train --variants rlseq-efla rlseq-efla+bf16 rlseq-efla+bf16+fused rlseq-efla+bf16+fused+tf32
+    python -m rlseq.bench train --variants rlseq-efla rlseq-efla+graph rlseq-efla+graph+bf16+fused+tf32
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import torch
 from rlseq.bench.timing import describe_environment
 
 VARIANTS = ("rlseq-none", "rlseq-efla", "rlseq-deltanet", "rlseq-lstm", "sb3-lstm", "sb3-lstm-impala", "sb3-ppo")
-OPTIONS = ("bf16", "fused", "tf32")  # per-variant settings: VARIANT+OPTION[+OPTION...]
+OPTIONS = ("bf16", "fused", "tf32", "graph", "nhwc")  # per-variant settings: VARIANT+OPTION[+OPTION...]
 PHASES = ("env", "act", "buffer", "train_forward", "train_backward", "optimizer", "diagnostics")
 
 
@@ -49,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tf32", action="store_true", help="allow TF32 convolutions and matmuls for every variant")
     parser.add_argument("--amp", default="none", choices=("bf16", "none"), help="CNN autocast of the rlseq variants")
     parser.add_argument("--fused-adam", action="store_true", help="fused Adam for the rlseq variants")
+    parser.add_argument("--cuda-graph", action="store_true", help="CUDA-graph acting for the rlseq variants (GPU)")
+    parser.add_argument("--channels-last", action="store_true", help="NHWC layout for the rlseq variants' CNN")
 
 
 def _variant(name: str) -> str:
@@ -65,17 +68,20 @@ def _variant(name: str) -> str:
 
 
 def settings(variant: str, args: argparse.Namespace) -> dict:
-    """``{"tf32": bool, "amp": "bf16" | None, "fused_adam": bool}`` of one variant: the flags plus its ``+`` options.
-    amp and fused Adam only ever apply to the rlseq variants."""
+    """``{"tf32", "amp", "fused_adam", "cuda_graph", "channels_last"}`` of one variant: the flags plus its ``+``
+    options. Everything but TF32 only ever applies to the rlseq variants."""
     base, *options = variant.split("+")
     rlseq = base.startswith("rlseq-")
     return {"tf32": bool(args.tf32) or "tf32" in options,
             "amp": "bf16" if rlseq and (args.amp == "bf16" or "bf16" in options) else None,
-            "fused_adam": rlseq and (bool(args.fused_adam) or "fused" in options)}
+            "fused_adam": rlseq and (bool(args.fused_adam) or "fused" in options),
+            "cuda_graph": rlseq and (bool(args.cuda_graph) or "graph" in options),
+            "channels_last": rlseq and (bool(args.channels_last) or "nhwc" in options)}
 
 
 def describe_settings(s: dict) -> str:
-    return f"TF32 {'on' if s['tf32'] else 'off'}, CNN {s['amp'] or 'fp32'}, Adam {'fused' if s['fused_adam'] else 'unfused'}"
+    return (f"TF32 {'on' if s['tf32'] else 'off'}, CNN {s['amp'] or 'fp32'}, Adam {'fused' if s['fused_adam'] else 'unfused'}, "
+            f"acting {'CUDA graph' if s.get('cuda_graph') else 'eager'}, CNN layout {'NHWC' if s.get('channels_last') else 'NCHW'}")
 
 
 def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None = None) -> dict:
@@ -83,7 +89,9 @@ def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None
 
     argv = ["--env", args.env, "--memory", memory, "--algo", algo, "--seed", str(args.seed)]
     if speed is not None:  # always explicit, so a config file's amp / fused_adam cannot leak into the labels
-        argv += ["--amp", speed["amp"] or "none", "--fused-adam" if speed["fused_adam"] else "--no-fused-adam"]
+        argv += ["--amp", speed["amp"] or "none", "--fused-adam" if speed["fused_adam"] else "--no-fused-adam",
+                 "--cuda-graph" if speed["cuda_graph"] else "--no-cuda-graph",
+                 "--channels-last" if speed["channels_last"] else "--no-channels-last"]
     for flag in ("n_envs", "n_steps", "n_minibatches", "n_epochs", "num_threads"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -159,13 +167,15 @@ def measure(variant: str, args: argparse.Namespace, device: str) -> dict:
 
 def main(args: argparse.Namespace) -> None:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    if not device.startswith("cuda") and any(settings(v, args)["cuda_graph"] for v in args.variants):
+        raise SystemExit("CUDA-graph acting (--cuda-graph, +graph) needs a GPU device")
     print(describe_environment(torch.device(device)))
     cfg = _config(args, "efla", "rlseq")
     print(f"{args.env}, {cfg['n_envs']} envs x {cfg['n_steps']} steps, {cfg['n_epochs']} epochs, "
           f"{cfg['n_minibatches']} minibatches; {args.warmup} warm-up + {args.rollouts} timed rollouts per variant")
     defaults = settings("rlseq-none", args)
     label = describe_settings(defaults)
-    print(f"settings: {label} (amp and fused Adam: rlseq variants only; a variant's +options add to these)\n")
+    print(f"settings: {label} (all but TF32: rlseq variants only; a variant's +options add to these)\n")
     results = []
     for variant in args.variants:
         res = measure(variant, args, device)

@@ -6,8 +6,9 @@ between `efla`, `deltanet`, `lstm` and `none`, so comparisons isolate the memory
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -41,6 +42,21 @@ def _mlp(in_dim: int, sizes: list[int], activation: type[nn.Module]) -> tuple[nn
         layers += [nn.Linear(in_dim, size), activation()]
         in_dim = size
     return nn.Sequential(*layers), in_dim
+
+
+@contextmanager
+def _validation_off() -> Iterator[None]:
+    """Turn torch.distributions' argument checks off (each one is a host sync) inside the block."""
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(before)
+
+
+def _nhwc(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
 
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -79,6 +95,9 @@ class MemoryPPOPolicy(BasePolicy):
         features extractor (the IMPALA CNN) under ``torch.autocast`` with that dtype, in acting and in training
         alike, and cast its output back to fp32. The memory, the heads, the losses and the optimizer stay fp32.
         fp16 is refused: it would need a gradient scaler.
+    :param channels_last: keep the features extractor's convolution weights and the image batches in the
+        channels-last (NHWC) memory layout, which cuDNN's tensor-core kernels prefer (mostly useful with
+        ``amp_dtype``). Same network; convolution algorithms, and so rounding, may differ.
     :param optimizer_kwargs: SB3's; ``None`` means ``{"eps": 1e-5}`` for Adam. Fused Adam is
         ``optimizer_kwargs=dict(eps=1e-5, fused=True)`` (give ``eps`` too: explicit kwargs replace the default).
 
@@ -103,6 +122,7 @@ class MemoryPPOPolicy(BasePolicy):
         optimizer_class: type[torch.optim.Optimizer] = torch.optim.Adam,
         optimizer_kwargs: dict[str, Any] | None = None,
         amp_dtype: torch.dtype | str | None = None,
+        channels_last: bool = False,
     ):
         if use_sde:
             raise ValueError("gSDE is not supported by MemoryPPOPolicy")
@@ -123,8 +143,11 @@ class MemoryPPOPolicy(BasePolicy):
         self.activation_fn = activation_fn
         self.ortho_init = ortho_init
         self.amp_dtype = parse_amp_dtype(amp_dtype)
+        self.channels_last = bool(channels_last)
 
         self.features_extractor = self.make_features_extractor()
+        if self.channels_last:
+            self.features_extractor.to(memory_format=torch.channels_last)
         self.memory: Memory = make_memory(memory, self.features_extractor.features_dim, **self.memory_kwargs)
         self.trunk, latent_dim = _mlp(self.memory.out_features, self.net_arch, activation_fn)
         self.action_dist: Distribution = make_proba_distribution(action_space)
@@ -151,6 +174,7 @@ class MemoryPPOPolicy(BasePolicy):
             optimizer_class=self.optimizer_class,
             optimizer_kwargs=self.optimizer_kwargs,
             amp_dtype=self.amp_dtype,
+            channels_last=self.channels_last,
             lr_schedule=self._dummy_schedule,
         )
         return data
@@ -170,6 +194,8 @@ class MemoryPPOPolicy(BasePolicy):
         same precision and PPO's first ratio stays ~1.
         """
         x = preprocess_obs(obs, self.observation_space, normalize_images=self.normalize_images)
+        if self.channels_last:
+            x = {k: _nhwc(v) for k, v in x.items()} if isinstance(x, dict) else _nhwc(x)
         if self.amp_dtype is None:
             return self.features_extractor(x)
         with torch.autocast(device_type=self.device.type, dtype=self.amp_dtype):
@@ -179,12 +205,12 @@ class MemoryPPOPolicy(BasePolicy):
 
     def _heads(self, memory_out: torch.Tensor) -> tuple[Distribution, torch.Tensor]:
         latent = self.trunk(memory_out)
-        mean_actions = self.action_net(latent)
+        return self._distribution(self.action_net(latent)), self.value_net(latent).squeeze(-1)
+
+    def _distribution(self, mean_actions: torch.Tensor) -> Distribution:
         if hasattr(self, "log_std"):
-            dist = self.action_dist.proba_distribution(mean_actions, self.log_std)
-        else:
-            dist = self.action_dist.proba_distribution(action_logits=mean_actions)
-        return dist, self.value_net(latent).squeeze(-1)
+            return self.action_dist.proba_distribution(mean_actions, self.log_std)
+        return self.action_dist.proba_distribution(action_logits=mean_actions)
 
     # --- acting: one step, state updated in place -------------------------------------------------------
 
@@ -199,6 +225,29 @@ class MemoryPPOPolicy(BasePolicy):
         dist, values = self._heads(self.memory.step(self.features(obs), state, episode_starts))
         actions = dist.get_actions(deterministic=deterministic)
         return actions, values, dist.log_prob(actions)
+
+    def act(
+        self, obs: PyTorchObs, state: torch.Tensor, episode_starts: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`forward` for the rollout loop, free of host syncs so that it can be captured in a CUDA graph.
+
+        Returns ``(actions, values, log_probs, finite)``: ``finite`` is a 0-dim bool tensor, False when the step's
+        action parameters or values were NaN/inf. Such a step samples from zeroed action parameters instead of
+        failing inside the sampler (a CUDA device assert would end the process without saying where); the caller
+        must check ``finite`` and raise. Distribution argument validation (a host sync) is off here. Finite steps
+        compute exactly what :meth:`forward` computes.
+        """
+        latent = self.trunk(self.memory.step(self.features(obs), state, episode_starts))
+        mean_actions, values = self.action_net(latent), self.value_net(latent).squeeze(-1)
+        finite = torch.isfinite(mean_actions).all() & torch.isfinite(values).all()
+        if hasattr(self, "log_std"):
+            finite = finite & torch.isfinite(self.log_std).all()
+        mean_actions = torch.where(finite, mean_actions, torch.zeros_like(mean_actions))
+        with _validation_off():
+            dist = self._distribution(mean_actions)
+            actions = dist.get_actions()
+            log_probs = dist.log_prob(actions)
+        return actions, values, log_probs, finite
 
     def evaluate_step(
         self, obs: PyTorchObs, actions: torch.Tensor, state: torch.Tensor, episode_starts: torch.Tensor

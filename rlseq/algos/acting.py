@@ -1,0 +1,159 @@
+"""The acting step of the rollout loop: observations in, actions out, for all environments at once.
+
+On a GPU one eager acting step is ~100 small kernel launches (the IMPALA CNN, the memory step, the heads and
+the sampler) issued one by one from Python for only 64 environments, so it is bound by launch latency.
+:class:`ActingStep` can capture the whole step once in a CUDA graph and replay it with one launch per step.
+The graph reads the weights in place, so optimizer updates reach it; it is captured again when the memory
+state tensor or a parameter moves.
+
+Both modes run the same :meth:`MemoryPPOPolicy.act` on the same staged inputs, draw from the same CUDA
+generator, and are checked against each other on the GPU (the CUDA tests of ``tests/test_acting.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from rlseq.policies.actor_critic import MemoryPPOPolicy
+
+
+@dataclass
+class ActingOutput:
+    """One step for ``n_envs`` environments. The tensors live on the policy's device and, with a CUDA graph,
+    are overwritten by the next step: copy what must outlive it (the rollout buffer does)."""
+
+    obs: torch.Tensor | dict[str, torch.Tensor]  # the staged observations, [n_envs, ...]
+    episode_starts: torch.Tensor  # [n_envs] bool
+    actions: torch.Tensor
+    values: torch.Tensor  # [n_envs]
+    log_probs: torch.Tensor  # [n_envs]
+    actions_np: np.ndarray  # actions on the host, what the env receives (before clipping)
+
+
+class ActingStep:
+    """``step(obs, episode_starts, state)``: one acting step of ``policy`` for ``n_envs`` environments.
+
+    :param policy: the policy; its :meth:`~MemoryPPOPolicy.act` is what runs.
+    :param cuda_graph: capture the step in a CUDA graph at the first call and replay it after that (CUDA only).
+
+    Observations and episode starts are copied into fixed device buffers (through pinned host memory on a GPU),
+    which is what lets a graph read them. ``state [n_envs, ...]`` is updated in place.
+    """
+
+    def __init__(self, policy: MemoryPPOPolicy, *, cuda_graph: bool = False):
+        self.policy = policy
+        self.device = policy.device
+        if cuda_graph and self.device.type != "cuda":
+            raise ValueError(f"cuda_graph acting needs the policy on a CUDA device; it is on {self.device}")
+        self.cuda_graph = cuda_graph
+        self._obs: torch.Tensor | dict[str, torch.Tensor] | None = None
+        self._host: torch.Tensor | dict[str, torch.Tensor] | None = None
+        self._starts: torch.Tensor | None = None
+        self._starts_host: torch.Tensor | None = None
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._graph_key: tuple | None = None
+        self._out: tuple[torch.Tensor, ...] | None = None
+
+    # --- staging ------------------------------------------------------------------------------------------
+
+    def _buffers(self, obs: np.ndarray | dict[str, np.ndarray], n_envs: int) -> None:
+        pin = self.device.type == "cuda"
+
+        def pair(x: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+            host = torch.from_numpy(np.ascontiguousarray(x)).clone()
+            return (host.pin_memory() if pin else host), torch.empty(host.shape, dtype=host.dtype, device=self.device)
+
+        if isinstance(obs, dict):
+            pairs = {k: pair(v) for k, v in obs.items()}
+            self._host = {k: h for k, (h, _) in pairs.items()}
+            self._obs = {k: d for k, (_, d) in pairs.items()}
+        else:
+            self._host, self._obs = pair(obs)
+        self._starts_host = torch.zeros(n_envs, dtype=torch.bool, pin_memory=pin)
+        self._starts = torch.zeros(n_envs, dtype=torch.bool, device=self.device)
+
+    def _stage(self, obs: np.ndarray | dict[str, np.ndarray], episode_starts: np.ndarray) -> None:
+        n_envs = len(episode_starts)
+        if self._obs is None or self._starts.shape[0] != n_envs or _shape_or_dtype_changed(self._host, obs):
+            self._buffers(obs, n_envs)
+            self._graph = None
+        # the previous step ended with a device-to-host copy of its actions, so these host buffers are free
+        if isinstance(obs, dict):
+            for k, v in obs.items():
+                self._host[k].numpy()[...] = v
+                self._obs[k].copy_(self._host[k], non_blocking=True)
+        else:
+            self._host.numpy()[...] = obs
+            self._obs.copy_(self._host, non_blocking=True)
+        self._starts_host.numpy()[...] = np.asarray(episode_starts, dtype=bool).reshape(n_envs)
+        self._starts.copy_(self._starts_host, non_blocking=True)
+
+    # --- the step -----------------------------------------------------------------------------------------
+
+    def step(self, obs: np.ndarray | dict[str, np.ndarray], episode_starts: np.ndarray, state: torch.Tensor,
+             where: str = "acting") -> ActingOutput:
+        """Act for all environments: ``obs`` as the VecEnv returns it, ``episode_starts [n_envs]`` bool (True:
+        the memory of that environment is zeroed first). Raises :class:`FloatingPointError` (or the memory's
+        :class:`~rlseq.policies.memory.MemoryStateError`) naming ``where`` if the step's outputs are not finite."""
+        self._stage(obs, episode_starts)
+        if self.cuda_graph:
+            key = (state.data_ptr(), tuple(state.shape), tuple(p.data_ptr() for p in self.policy.parameters()))
+            if self._graph is None or key != self._graph_key:
+                self._capture(state)
+                self._graph_key = key
+            self._graph.replay()
+            actions, values, log_probs, finite = self._out
+        else:
+            with torch.no_grad():
+                actions, values, log_probs, finite = self.policy.act(self._obs, state, self._starts)
+        actions_np = actions.cpu().numpy()  # the sync point of the step
+        if not bool(finite):
+            self.policy.memory.check_finite(state, where=where)  # names the environments when the memory is at fault
+            raise FloatingPointError(
+                f"non-finite action parameters or values at {where} while the {self.policy.memory.name} memory "
+                "state is finite: the features extractor or the heads produced NaN/inf (check the weights and the "
+                "observations)")
+        return ActingOutput(self._obs, self._starts, actions, values, log_probs, actions_np)
+
+    def _capture(self, state: torch.Tensor) -> None:
+        """Warm up on a side stream with a scratch state (cuDNN and cuBLAS handles, Triton compilation), then
+        capture ``policy.act`` reading the fixed buffers and updating ``state`` in place. The CUDA generator is
+        restored after the warm-up, so the replayed steps draw what eager steps would."""
+        policy, device = self.policy, self.device
+        rng = torch.cuda.get_rng_state(device)
+        scratch = state.clone()
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side), torch.no_grad():
+            for _ in range(2):
+                policy.act(self._obs, scratch, self._starts)
+        torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.set_rng_state(rng, device)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.no_grad(), torch.cuda.graph(graph):
+                self._out = policy.act(self._obs, state, self._starts)
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"capturing the acting step of the {policy.memory.name} memory in a CUDA graph failed ({err}); "
+                "train without a CUDA graph for acting (python -m rlseq.train --no-cuda-graph, or "
+                "MemoryPPO(..., cuda_graph=False))") from err
+        self._graph = graph
+
+
+def _shape_or_dtype_changed(host: torch.Tensor | dict[str, torch.Tensor] | None,
+                            obs: np.ndarray | dict[str, np.ndarray]) -> bool:
+    if host is None or isinstance(host, dict) != isinstance(obs, dict):
+        return True
+    if isinstance(obs, dict):
+        return set(obs) != set(host) or any(_differs(host[k], v) for k, v in obs.items())
+    return _differs(host, obs)
+
+
+def _differs(host: torch.Tensor, x: np.ndarray) -> bool:
+    x = np.asarray(x)
+    return tuple(host.shape) != x.shape or host.numpy().dtype != x.dtype
+

@@ -1,0 +1,161 @@
+"""The acting step (rlseq.algos.acting): eager on any device, CUDA graph on a GPU.
+
+The CPU tests check the eager step against the policy's own ``forward``, the staging buffers and the error
+paths. The CUDA tests (run on the GPU machine: ``pytest tests/test_acting.py``) check that a graph replay
+computes and draws exactly what the eager step does, through resets, weight updates and a new state tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gymnasium import spaces
+
+from rlseq.algos.acting import ActingStep
+from rlseq.policies.actor_critic import MemoryPPOPolicy
+
+MEMORY_KWARGS = {"efla": {"n_heads": 2, "head_dim": 16}, "deltanet": {"n_heads": 2, "head_dim": 16},
+                 "lstm": {"hidden_size": 32}, "none": {}}
+IMAGE = spaces.Box(0, 255, (3, 64, 64), np.uint8)
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+
+
+def _policy(memory: str, space: spaces.Space = IMAGE, device: str = "cpu", **kwargs) -> MemoryPPOPolicy:
+    torch.manual_seed(0)
+    policy = MemoryPPOPolicy(space, spaces.Discrete(15), lambda _: 1e-3, memory=memory,
+                             memory_kwargs=MEMORY_KWARGS[memory], **kwargs)
+    return policy.to(device)
+
+
+def _obs(space: spaces.Space, n: int, rng: np.random.Generator):
+    if isinstance(space, spaces.Dict):
+        return {k: _obs(s, n, rng) for k, s in space.spaces.items()}
+    if space.dtype == np.uint8:
+        return rng.integers(0, 256, (n, *space.shape), dtype=np.uint8)
+    return rng.standard_normal((n, *space.shape)).astype(space.dtype)
+
+
+def _starts(n: int, rng: np.random.Generator) -> np.ndarray:
+    return rng.random(n) < 0.3
+
+
+@pytest.mark.parametrize("memory", ["efla", "lstm", "none"])
+def test_eager_step_equals_policy_forward(memory):
+    policy, rng = _policy(memory), np.random.default_rng(1)
+    acting = ActingStep(policy)
+    state_a, state_b = policy.initial_state(4), policy.initial_state(4)
+    for _ in range(5):
+        obs, starts = _obs(IMAGE, 4, rng), _starts(4, rng)
+        torch.manual_seed(7)
+        out = acting.step(obs, starts, state_a)
+        torch.manual_seed(7)
+        with torch.no_grad():
+            actions, values, log_probs = policy(torch.as_tensor(obs), state_b, torch.as_tensor(starts))
+        assert torch.equal(out.actions, actions) and np.array_equal(out.actions_np, actions.numpy())
+        assert torch.equal(out.values, values) and torch.equal(out.log_probs, log_probs)
+        assert torch.equal(state_a, state_b)
+        assert torch.equal(out.obs, torch.as_tensor(obs)) and torch.equal(out.episode_starts, torch.as_tensor(starts))
+
+
+def test_staging_buffers_are_reused_and_rebuilt_when_the_input_changes():
+    policy, rng = _policy("efla"), np.random.default_rng(2)
+    acting = ActingStep(policy)
+    first = acting.step(_obs(IMAGE, 4, rng), _starts(4, rng), policy.initial_state(4)).obs
+    second = acting.step(_obs(IMAGE, 4, rng), _starts(4, rng), policy.initial_state(4)).obs
+    assert second.data_ptr() == first.data_ptr()
+    third = acting.step(_obs(IMAGE, 6, rng), _starts(6, rng), policy.initial_state(6))
+    assert third.obs.shape[0] == 6 and third.actions.shape == (6,)
+
+
+def test_dict_observations():
+    space = spaces.Dict({"image": IMAGE, "vector": spaces.Box(-np.inf, np.inf, (16,), np.float32)})
+    policy, rng = _policy("efla", space), np.random.default_rng(3)
+    acting = ActingStep(policy)
+    obs, starts = _obs(space, 4, rng), _starts(4, rng)
+    state_a, state_b = policy.initial_state(4), policy.initial_state(4)
+    torch.manual_seed(5)
+    out = acting.step(obs, starts, state_a)
+    torch.manual_seed(5)
+    with torch.no_grad():
+        actions, values, _ = policy({k: torch.as_tensor(v) for k, v in obs.items()}, state_b, torch.as_tensor(starts))
+    assert torch.equal(out.actions, actions) and torch.equal(out.values, values)
+    assert torch.equal(out.obs["vector"], torch.as_tensor(obs["vector"]))
+
+
+def test_non_finite_outputs_are_reported_with_where():
+    policy, rng = _policy("none"), np.random.default_rng(4)
+    with torch.no_grad():
+        policy.value_net.bias.fill_(float("nan"))
+    acting = ActingStep(policy)
+    with pytest.raises(FloatingPointError, match="non-finite action parameters or values at acting at env step 640 "
+                                                 "while the none memory state is finite"):
+        acting.step(_obs(IMAGE, 4, rng), _starts(4, rng), policy.initial_state(4), where="acting at env step 640")
+
+
+def test_non_finite_memory_state_is_blamed_on_the_memory():
+    policy, rng = _policy("efla"), np.random.default_rng(5)
+    state = policy.initial_state(4)
+    state[2, 1, 0, 0] = float("inf")
+    with pytest.raises(FloatingPointError, match=r"non-finite efla memory state at here: batch indices \[2\]"):
+        ActingStep(policy).step(_obs(IMAGE, 4, rng), np.zeros(4, bool), state, where="here")
+
+
+def test_cuda_graph_needs_a_cuda_device():
+    with pytest.raises(ValueError, match="cuda_graph acting needs the policy on a CUDA device; it is on cpu"):
+        ActingStep(_policy("none"), cuda_graph=True)
+
+
+# --- on the GPU ---------------------------------------------------------------------------------------
+
+
+@cuda
+@pytest.mark.parametrize("memory", ["efla", "deltanet", "lstm", "none"])
+def test_graph_replay_equals_eager_steps(memory):
+    policy, rng = _policy(memory, device="cuda"), np.random.default_rng(6)
+    eager, graphed = ActingStep(policy), ActingStep(policy, cuda_graph=True)
+    n = 64
+    state_e, state_g = policy.initial_state(n), policy.initial_state(n)
+    with torch.no_grad():  # a non-zero memory to start from
+        state_e.normal_()
+        state_g.copy_(state_e)
+    for t in range(12):
+        obs, starts = _obs(IMAGE, n, rng), _starts(n, rng)
+        if t == 6:  # an optimizer-like in-place weight update must reach the graph
+            with torch.no_grad():
+                for p in policy.parameters():
+                    p.add_(0.01 * torch.randn_like(p))
+        torch.cuda.manual_seed(100 + t)
+        e = eager.step(obs, starts, state_e)
+        e = [x.clone() for x in (e.actions, e.values, e.log_probs)]
+        torch.cuda.manual_seed(100 + t)
+        g = graphed.step(obs, starts, state_g)
+        assert torch.equal(g.actions, e[0]), f"step {t}: the graph drew other actions"
+        torch.testing.assert_close(g.values, e[1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(g.log_probs, e[2], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state_g, state_e, rtol=1e-5, atol=1e-6)
+
+
+@cuda
+def test_graph_is_captured_again_for_a_new_state_tensor_and_does_not_touch_the_old_one():
+    policy, rng = _policy("efla", device="cuda"), np.random.default_rng(7)
+    acting = ActingStep(policy, cuda_graph=True)
+    old = policy.initial_state(8)
+    acting.step(_obs(IMAGE, 8, rng), np.ones(8, bool), old)
+    first_graph = acting._graph
+    kept = old.clone()
+    new = policy.initial_state(8)
+    acting.step(_obs(IMAGE, 8, rng), np.ones(8, bool), new)
+    assert acting._graph is not first_graph
+    assert torch.equal(old, kept) and new.abs().sum() > 0
+
+
+@cuda
+def test_graph_reports_non_finite_outputs():
+    policy, rng = _policy("efla", device="cuda"), np.random.default_rng(8)
+    acting = ActingStep(policy, cuda_graph=True)
+    state = policy.initial_state(8)
+    acting.step(_obs(IMAGE, 8, rng), np.ones(8, bool), state)
+    state[3, 0, 0, 0] = float("nan")
+    with pytest.raises(FloatingPointError, match=r"non-finite efla memory state at step 2: batch indices \[3\]"):
+        acting.step(_obs(IMAGE, 8, rng), np.zeros(8, bool), state, where="step 2")
