@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-adam", action=argparse.BooleanOptionalAction, default=None,
                    help="fused Adam (one kernel for all parameters; config: fused_adam; default off)")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay the acting step from a CUDA graph (GPU only; same computation and random draws, fewer "
-                        "launches; config: cuda_graph; default off)")
+                   help="replay the acting step from a CUDA graph (same computation and random draws, ~100x fewer "
+                        "launches; config: cuda_graph; default on, ignored on the CPU)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory layout for the CNN (cuDNN's tensor-core layout, mostly with --amp bf16; "
                         "config: channels_last; default off)")
@@ -142,13 +142,13 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     if cfg["amp"] and args.algo != "rlseq":
         raise UsageError("--amp needs --algo rlseq (sb3-contrib's RecurrentPPO has no autocast)")
     cfg["fused_adam"] = bool(cfg.get("fused_adam", False))
-    cfg["cuda_graph"] = bool(cfg.get("cuda_graph", False))
+    cfg["cuda_graph"] = bool(cfg.get("cuda_graph", True)) and args.algo == "rlseq"
     cfg["channels_last"] = bool(cfg.get("channels_last", False))
     if cfg["channels_last"] and args.algo != "rlseq":
         raise UsageError("--channels-last needs --algo rlseq")
-    if cfg["cuda_graph"] and args.algo != "rlseq":
+    if args.cuda_graph and args.algo != "rlseq":
         raise UsageError("--cuda-graph needs --algo rlseq (sb3-contrib's RecurrentPPO acts eagerly)")
-    if cfg["cuda_graph"] and args.device == "cpu":
+    if args.cuda_graph and args.device == "cpu":
         raise UsageError("--cuda-graph needs a GPU; drop it with --device cpu")
     memory_kwargs = cfg.pop("memory_kwargs", {}) or {}
     cfg.update(env=env, memory=args.memory, algo=args.algo, seed=args.seed, tag=args.tag,
@@ -205,7 +205,7 @@ def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | No
         if cfg.get("channels_last"):
             policy_kwargs.update(channels_last=True)
         return MemoryPPO("MultiInputPolicy" if dict_obs else "CnnPolicy", env, n_minibatches=cfg["n_minibatches"],
-                         policy_kwargs=policy_kwargs, cuda_graph=cfg.get("cuda_graph", False), **common)
+                         policy_kwargs=policy_kwargs, cuda_graph=cfg.get("cuda_graph", True), **common)
     from sb3_contrib import RecurrentPPO
 
     import rlseq.policies as P
@@ -239,6 +239,7 @@ def train(args: argparse.Namespace) -> Path:
     # exact by default: with TF32, acting (batch n_envs) and training (batch B*T) pick different conv kernels
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    cfg["cuda_graph"] = cfg["cuda_graph"] and torch.device(device).type == "cuda"  # recorded as it runs
     folder = run_dir(args.logdir, cfg)
     ckpt_root = folder / "checkpoints"
     if (folder / "final_model.zip").exists():

@@ -1,11 +1,14 @@
 """The acting step (rlseq.algos.acting): eager on any device, CUDA graph on a GPU.
 
 The CPU tests check the eager step against the policy's own ``forward``, the staging buffers and the error
-paths. The CUDA tests (run on the GPU machine: ``pytest tests/test_acting.py``) check that a graph replay
+paths. The CUDA tests (on the GPU machine: ``TRITON_INTERPRET=0 pytest tests/test_acting.py``; the Triton
+interpreter that conftest.py turns on cannot run inside a CUDA graph) check that a graph replay
 computes and draws exactly what the eager step does, through resets, weight updates and a new state tensor.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -18,7 +21,8 @@ from rlseq.policies.actor_critic import MemoryPPOPolicy
 MEMORY_KWARGS = {"efla": {"n_heads": 2, "head_dim": 16}, "deltanet": {"n_heads": 2, "head_dim": 16},
                  "lstm": {"hidden_size": 32}, "none": {}}
 IMAGE = spaces.Box(0, 255, (3, 64, 64), np.uint8)
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU (run on the GPU machine)")
+cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
+                          reason="CUDA graphs need a GPU and compiled Triton kernels (TRITON_INTERPRET=0)")
 
 
 def _policy(memory: str, space: spaces.Space = IMAGE, device: str = "cpu", **kwargs) -> MemoryPPOPolicy:
@@ -159,3 +163,42 @@ def test_graph_reports_non_finite_outputs():
     state[3, 0, 0, 0] = float("nan")
     with pytest.raises(FloatingPointError, match=r"non-finite efla memory state at step 2: batch indices \[3\]"):
         acting.step(_obs(IMAGE, 8, rng), np.zeros(8, bool), state, where="step 2")
+
+
+@cuda
+@pytest.mark.parametrize("memory", ["efla", "lstm"])
+def test_training_with_graph_acting_reproduces_eager_acting(memory):
+    """Two seeded runs, eager and graph acting: the same rollouts (actions, values, memory) and the same update."""
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.logger import configure
+
+    from rlseq.algos import MemoryPPO
+    from rlseq.envs import make_procgen
+
+    class NoOp(BaseCallback):
+        def _on_step(self) -> bool:
+            return True
+
+    buffers = []
+    for cuda_graph in (False, True):
+        env = make_procgen("caveflyer", 16, seed=0, num_threads=0)
+        model = MemoryPPO("CnnPolicy", env, n_steps=32, n_minibatches=2, n_epochs=1, seed=0, device="cuda",
+                          cuda_graph=cuda_graph, policy_kwargs=dict(memory=memory, memory_kwargs=MEMORY_KWARGS[memory]))
+        model.set_logger(configure(None, []))
+        model._setup_learn(10_000)
+        cb = NoOp()
+        cb.init_callback(model)
+        runs = []
+        for _ in range(2):  # the second rollout acts with the updated weights through the same graph
+            assert model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
+            b = model.rollout_buffer
+            runs.append([x.clone() for x in (b.actions, b.values, b.log_probs, b.episode_starts, model._memory_state)])
+            model.train()
+        assert (model._acting._graph is not None) == cuda_graph
+        buffers.append(runs)
+        env.close()
+    for eager, graphed in zip(*buffers):
+        assert torch.equal(eager[0], graphed[0]) and torch.equal(eager[3], graphed[3])
+        for a, b in zip(eager[1:], graphed[1:]):
+            if a.dtype.is_floating_point:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

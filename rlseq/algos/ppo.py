@@ -47,8 +47,9 @@ class MemoryPPO(PPO):
     ``policy_kwargs=dict(amp_dtype=torch.bfloat16)`` runs the features extractor (the IMPALA CNN) in bf16
     autocast while acting and training, the rest in fp32 (see :class:`MemoryPPOPolicy`);
     ``policy_kwargs=dict(optimizer_kwargs=dict(eps=1e-5, fused=True))`` uses fused Adam.
-    ``cuda_graph=True`` replays the acting step from a CUDA graph on CUDA devices (ignored on the CPU; see
-    :class:`~rlseq.algos.acting.ActingStep`): same computation and same random draws, fewer launches.
+    ``cuda_graph`` (default True) replays the acting step from a CUDA graph on CUDA devices (ignored on the CPU;
+    see :class:`~rlseq.algos.acting.ActingStep`): same computation and same random draws, ~100x fewer launches.
+    Pass False for a features extractor or memory that cannot be captured.
     """
 
     policy_aliases: ClassVar[dict[str, type]] = {
@@ -82,7 +83,7 @@ class MemoryPPO(PPO):
         verbose: int = 0,
         seed: int | None = None,
         device: torch.device | str = "auto",
-        cuda_graph: bool = False,
+        cuda_graph: bool = True,
         _init_setup_model: bool = True,
     ):
         self.n_minibatches = n_minibatches
