@@ -5,6 +5,7 @@ Usage::
     python -m rlseq.compare runs/caveflyer            # one env: one panel
     python -m rlseq.compare runs                      # several envs: one panel / table section per env
     python -m rlseq.compare runs/caveflyer --aggregate iqm --reps 2000 --out /tmp/cmp
+    python -m rlseq.compare part1_scalars.csv.gz /tmp/part2/runs/caveflyer --out docs/results   # merge parts
 
 Layout (written by the training CLI)::
 
@@ -16,7 +17,13 @@ So RUNS_DIR may be ``runs/`` (all envs), ``runs/<env>`` (the usual case), ``runs
 single seed folder; event files in sub-folders of a seed folder (e.g. SB3's ``PPO_1/``) still count.
 Event files that sit under no ``seed<N>`` folder are skipped with a warning.
 
-Outputs (in ``--out``, default RUNS_DIR):
+Several inputs (runs trees and ``--save-scalars`` CSVs, in any mix) are merged into one dataset before
+anything is computed or written, so an experiment run in parts (part 1 kept only as its saved CSV, part 2
+as a fresh runs tree) gives the report of all parts; see :func:`load_inputs`. A run (env, variant, seed)
+found in two inputs is an error, and ``--out`` is then required. A CSV input carries only the tags that
+``--save-scalars`` keeps.
+
+Outputs (in ``--out``, default RUNS_DIR, or the CSV's folder when RUNS_DIR is a CSV):
 
 * ``compare.png``: learning curves of ``--metric`` (default ``rollout/ep_rew_mean``) against env steps,
   one panel per env, one line per variant: mean ± std across seeds (``--aggregate mean-std``) or IQM with
@@ -31,8 +38,8 @@ Outputs (in ``--out``, default RUNS_DIR):
   (:func:`relative_to_baseline`), and when diagnostics were logged a third one summarises them
   (:func:`diagnostics_summary`).
 * ``--save-scalars FILE.csv.gz`` writes the loaded scalars (columns ``env, variant, seed, step, tag,
-  value``), and RUNS_DIR may be such a file: a committed summary then reproduces every figure and table
-  without the raw event files.
+  value``; written atomically, so it may overwrite one of the input CSVs), and RUNS_DIR may be such a
+  file: a committed summary then reproduces every figure and table without the raw event files.
 * ``--panels condition`` draws one panel per (env, tag) with one line per memory, instead of one panel
   per env.
 """
@@ -41,8 +48,11 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
+import shutil
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
@@ -143,7 +153,8 @@ def load_scalars(path: str | Path) -> pd.DataFrame:
     path = Path(path)
     if not path.is_file():
         raise CompareError(f"scalars file not found: {path}")
-    df = pd.read_csv(path)
+    # env and variant as text: a numeric name ("2048") must stay equal to the same name read from a runs tree
+    df = pd.read_csv(path, dtype={"env": str, "variant": str})
     missing = set(COLUMNS) - set(df.columns)
     if missing:
         raise CompareError(f"{path} lacks the columns {', '.join(sorted(missing))}; expected {', '.join(COLUMNS)}")
@@ -183,6 +194,41 @@ def load_runs(root: str | Path) -> pd.DataFrame:
     df = df.astype({"env": object, "variant": object, "seed": "int64", "step": "int64", "tag": object,
                     "value": "float64"})
     return df.sort_values(["env", "variant", "seed", "tag", "step"], kind="stable").reset_index(drop=True)
+
+
+def load_inputs(paths: Sequence[str | Path]) -> pd.DataFrame:
+    """Read runs trees (:func:`load_runs`) and ``--save-scalars`` CSVs (:func:`load_scalars`) into one
+    DataFrame of :func:`load_runs`' form, every input read in full before this returns.
+
+    Raises :class:`CompareError` if an input is missing or a run (env, variant, seed) appears in two inputs:
+    merging it would double-count its seed, and picking one copy would hide which data the report used.
+    """
+    paths = [Path(p) for p in paths]
+    frames: list[pd.DataFrame] = []
+    owner: dict[tuple[str, str, int], int] = {}  # run -> index of its input (an input given twice clashes too)
+    for i, path in enumerate(paths):
+        df = load_scalars(path) if path.is_file() else load_runs(path)
+        for env, variant, seed in df[["env", "variant", "seed"]].drop_duplicates().itertuples(index=False):
+            first = owner.setdefault((env, variant, int(seed)), i)
+            if first != i:
+                raise CompareError(f"run {env}/{variant}/seed{seed} is in both {paths[first]} and {path}; "
+                                   "each run must come from exactly one input")
+        frames.append(df)
+    df = pd.concat(frames, ignore_index=True)[COLUMNS]
+    return df.sort_values(["env", "variant", "seed", "tag", "step"], kind="stable").reset_index(drop=True)
+
+
+def _write_csv_atomic(df: pd.DataFrame, path: Path) -> None:
+    """``df.to_csv(path)`` through a temporary sibling folder and a rename, so ``path`` (possibly one of the
+    inputs) is never left half-written. The temporary file already has the final name, which gzip records
+    in its header."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        df.to_csv(tmp_dir / path.name, index=False)
+        os.replace(tmp_dir / path.name, path)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------- rliable
@@ -746,11 +792,14 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rlseq.compare",
         description="Compare rlseq runs (learning curves + final-return table) from TensorBoard event files. "
-        + LAYOUT_HELP + ".",
+        + LAYOUT_HELP + ". Several inputs (runs trees and --save-scalars CSVs) are merged into one dataset; "
+        "a run found in two of them is an error.",
     )
-    p.add_argument("runs_dir", type=Path,
-                   help="runs/<env> (one env), runs/ (one panel/section per env) or a --save-scalars CSV")
-    p.add_argument("--out", type=Path, default=None, help="output folder (default: RUNS_DIR)")
+    p.add_argument("runs_dir", type=Path, nargs="+", metavar="RUNS_DIR",
+                   help="runs/<env> (one env), runs/ (one panel/section per env) or a --save-scalars CSV; "
+                        "several of them, in any mix, are merged (e.g. a saved part-1 CSV and a part-2 runs tree)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output folder (default: RUNS_DIR, or its folder for a CSV; required with several inputs)")
     p.add_argument("--metric", default=DEFAULT_METRIC, help=f"scalar tag to compare (default {DEFAULT_METRIC})")
     p.add_argument("--final-fraction", type=float, default=0.1,
                    help="final return = mean over this last fraction of each seed's env steps (default 0.1)")
@@ -763,32 +812,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--panels", choices=("env", "condition"), default="env",
                    help="one curve panel per env (default) or per env and tag (condition)")
     p.add_argument("--save-scalars", type=Path, default=None, metavar="FILE.csv.gz",
-                   help="also write the rollout/, memory/, time/ and main train/ scalars to this CSV "
-                        "(RUNS_DIR may be such a file)")
+                   help="also write the rollout/, memory/, time/ and main train/ scalars of all inputs to this "
+                        "CSV (RUNS_DIR may be such a file, even this one: it is replaced atomically)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point; writes compare.png, compare_diagnostics.png (if any) and compare.md into --out."""
     args = _parser().parse_args(argv)
-    runs_dir: Path = args.runs_dir
-    from_file = runs_dir.is_file()
-    out: Path = args.out if args.out is not None else (runs_dir.parent if from_file else runs_dir)
+    inputs: list[Path] = args.runs_dir
     try:
-        if not from_file and not runs_dir.is_dir():
-            raise CompareError(f"runs directory not found: {runs_dir}")
+        if args.out is not None:
+            out: Path = args.out
+        elif len(inputs) > 1:
+            raise CompareError("--out is required with several inputs")
+        else:
+            out = inputs[0].parent if inputs[0].is_file() else inputs[0]
+        missing = next((p for p in inputs if not p.is_file() and not p.is_dir()), None)
+        if missing is not None:
+            raise CompareError(f"runs directory not found: {missing}")
         if args.reps < 1 or args.points < 1:
             raise CompareError("--reps and --points must be >= 1")
         if args.baseline is not None and not re.fullmatch(r"[\w.]+", args.baseline):
             raise CompareError(f"--baseline takes a memory name such as deltanet, got {args.baseline!r}")
-        df = load_scalars(runs_dir) if from_file else load_runs(runs_dir)
+        df = load_inputs(inputs)  # every input is read before anything is written (--save-scalars may be one)
         summary = summarize(df, final_fraction=args.final_fraction, metric=args.metric, reps=args.reps)
         out.mkdir(parents=True, exist_ok=True)
         written = []
         if args.save_scalars is not None:
-            args.save_scalars.parent.mkdir(parents=True, exist_ok=True)
             keep = df["tag"].str.match(r"(rollout|memory|time)/") | df["tag"].isin(SAVED_TRAIN_TAGS)
-            df[keep].to_csv(args.save_scalars, index=False)
+            _write_csv_atomic(df[keep], args.save_scalars)
             written.append(args.save_scalars)
         written.append(plot_curves(df, out / "compare.png", metric=args.metric, aggregate=args.aggregate,
                                    n_points=args.points, reps=args.reps, panels=args.panels))
@@ -796,7 +849,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if diag is not None:
             written.append(diag)
         md = to_markdown(summary, metric=args.metric, final_fraction=args.final_fraction, reps=args.reps,
-                         title=f"rlseq comparison: {runs_dir}")
+                         title="rlseq comparison: " + " + ".join(str(p) for p in inputs))
         if args.baseline is not None:
             finals = final_returns(df, final_fraction=args.final_fraction, metric=args.metric)
             rel = relative_to_baseline(finals, args.baseline, reps=args.reps)

@@ -11,6 +11,8 @@ Layout written once per session (runs/<env>/<variant>/seed<N>/):
 * caveflyer/lstm      1 seed, final 5: std and CI are n/a.
 * bigfish/efla        2 seeds ending at steps 1000 and 800 (curve grid must stop at 800).
 
+The multi-input tests split caveflyer into two runs trees (``split_runs``) and merge them back.
+
 Steps run 0..1000 every 100; with final_fraction=0.1 a seed's final value is the mean over steps
 >= 900, where the synthetic curves sit exactly at their final value.
 """
@@ -18,6 +20,7 @@ Steps run 0..1000 every 100; with final_fraction=0.1 a seed's final value is the
 from __future__ import annotations
 
 import math
+import shutil
 import warnings
 from pathlib import Path
 
@@ -310,3 +313,67 @@ def test_cli_baseline_panels_and_scalars_roundtrip(runs_root: Path, tmp_path: Pa
     with pytest.raises(SystemExit) as e:
         compare.main([str(runs_root / "caveflyer"), "--out", str(tmp_path), "--baseline", "gru"])
     assert "no variant has a gru run" in str(e.value.code)
+
+
+@pytest.fixture(scope="session")
+def split_runs(runs_root: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """runs_root/caveflyer as two runs trees: part 1 = efla seeds 0 (resumed) and 1 + lstm, part 2 = efla
+    seed 2 + deltanet, so efla's seeds come from both parts."""
+    base = tmp_path_factory.mktemp("parts")
+    part1, part2 = base / "part1" / "caveflyer", base / "part2" / "caveflyer"
+    for run in sorted((runs_root / "caveflyer").glob("*/seed*")):
+        variant, seed = run.parent.name, run.name
+        dest = part1 if variant == "lstm" or (variant == "efla" and seed != "seed2") else part2
+        shutil.copytree(run, dest / variant / seed)
+    return part1, part2
+
+
+def test_cli_merges_saved_csv_with_runs_tree(runs_root: Path, split_runs: tuple[Path, Path], tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    part1, part2 = split_runs
+    csv = tmp_path / "scalars.csv.gz"  # part 1 survives only as its saved scalars
+    assert compare.main([str(part1), "--out", str(tmp_path / "p1"), "--reps", "50", "--save-scalars", str(csv)]) == 0
+    capsys.readouterr()
+    whole = compare.load_runs(runs_root / "caveflyer")
+    pd.testing.assert_frame_equal(compare.load_inputs([csv, part2]), whole)
+
+    args = ["--reps", "200", "--points", "20", "--aggregate", "iqm", "--baseline", "deltanet", "--panels", "condition"]
+    assert compare.main([str(runs_root / "caveflyer"), "--out", str(tmp_path / "all"), *args]) == 0
+    md_all = capsys.readouterr().out
+    # The saved CSV is both an input and the --save-scalars target: read first, then replaced by all runs.
+    assert compare.main([str(csv), str(part2), "--out", str(tmp_path / "merged"), *args,
+                         "--save-scalars", str(csv)]) == 0
+    md = capsys.readouterr().out
+    assert md.splitlines()[0] == f"# rlseq comparison: {csv} + {part2}"
+    assert md.split("\n", 1)[1] == md_all.split("\n", 1)[1]
+    assert "| caveflyer | efla | deltanet | 3 vs 4 |" in md and "| efla | 3 | 1k | 2.00 | 1.00 |" in md
+    for name in ("compare.png", "compare_diagnostics.png"):
+        assert (tmp_path / "merged" / name).read_bytes() == (tmp_path / "all" / name).read_bytes()
+    pd.testing.assert_frame_equal(compare.load_scalars(csv), whole)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["all", "merged", "p1", "scalars.csv.gz"]  # no temp left
+
+
+def test_multi_input_errors(split_runs: tuple[Path, Path], tmp_path: Path) -> None:
+    part1, part2 = split_runs
+    csv = tmp_path / "part1.csv.gz"
+    compare.load_runs(part1).to_csv(csv, index=False)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        compare.main([str(csv), str(part2), str(part1), "--out", str(out)])
+    msg = str(e.value.code)
+    assert "caveflyer/efla/seed0" in msg and f"both {csv} and {part1}" in msg
+    with pytest.raises(SystemExit) as e:  # the same input twice is the same clash
+        compare.main([str(part2), str(part2), "--out", str(out)])
+    assert f"run caveflyer/deltanet/seed0 is in both {part2} and {part2}" in str(e.value.code)
+    with pytest.raises(SystemExit) as e:
+        compare.main([str(csv), str(part2)])
+    assert "--out is required with several inputs" in str(e.value.code)
+    assert not out.exists() and not (part2 / "compare.md").exists() and not (tmp_path / "compare.md").exists()
+
+    # A numeric env name read back from a CSV is still the runs tree's name, so the clash is caught.
+    tree = tmp_path / "runs" / "2048"
+    shutil.copytree(part1 / "lstm", tree / "lstm")
+    compare.load_runs(tree).to_csv(tmp_path / "2048.csv", index=False)
+    assert compare.load_scalars(tmp_path / "2048.csv")["env"].unique().tolist() == ["2048"]
+    with pytest.raises(compare.CompareError, match="run 2048/lstm/seed0 is in both"):
+        compare.load_inputs([tmp_path / "2048.csv", tree])
