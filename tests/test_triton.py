@@ -189,6 +189,73 @@ def test_chunk_block_v_validation():
         _block_v(dict(block_v=24), 64)
 
 
+# --- split backward (config["bwd"] = "split") and the dot precision knob (config["prec"]) ----------------------
+# The interpreter computes every tl.dot in fp32 whatever input_precision says: these tests check the plumbing and
+# the split backward's math; the precision itself is checked on the GPU (python -m rlseq.bench.gpu_check --candidates).
+
+SPLIT = dict(bwd="split", block_v=16, kside_block_v=16)
+
+
+@pytest.mark.parametrize("rule", ["efla", "deltanet"])
+def test_chunk_split_backward_v_blocks(rule):
+    """V side in 4 blocks of 16 over V=48 padded to 64 (the last empty), K side in 3 tiles of 16; K ≠ V, resets,
+    zero keys, key norms 1e-4..1e4, T not a multiple of the chunk; every gradient against the float64 oracle."""
+    _check(_inputs(2, 37, 1, 24, 48, rule, seed=31), rule, torch.float32, config=SPLIT)
+
+
+@pytest.mark.parametrize("rule", ["efla", "deltanet"])
+def test_chunk_split_matches_fused(rule):
+    """Split and fused backward agree to fp32 rounding; forward and backward V blocks chosen independently
+    (forward one block of 32, V side blocks of 16, K side one tile) and prep mode with chunks of 32."""
+    inp = _inputs(1, 45, 2, 16, 32, rule, seed=47)
+    cfg = dict(bwd="split", block_v=None, block_v_bwd=16, kside_block_v=None, mode="prep", chunk_size=32,
+               num_warps_bwd=2, kside_warps=2)
+    _check(inp, rule, torch.float32, config=cfg)
+    split = _run(inp, rule, "triton", torch.float32, grads=True, config=cfg)
+    fused = _run(inp, rule, "triton", torch.float32, grads=True, config=dict(chunk_size=32))
+    assert rel_err(split[0], fused[0]) < 1e-6 and rel_err(split[1], fused[1]) < 1e-6
+    for n in fused[2]:
+        assert rel_err(split[2][n], fused[2][n]) < 1e-6, n
+
+
+@pytest.mark.parametrize("prec", ["tf32x3", "tf32"])
+@pytest.mark.parametrize("bwd", ["fused", "split"])
+def test_chunk_dot_precision_knob(prec, bwd):
+    """Every precision reaches every kernel (prep, forward, both backwards; the K side's own ``kside_prec``) and
+    gives a working kernel."""
+    rule = "efla" if prec == "tf32x3" else "deltanet"
+    _check(_inputs(1, 20, 1, 16, 32, rule, seed=53), rule, torch.float32,
+           config=dict(bwd=bwd, prec=prec, block_v=16, mode="prep", kside_prec="tf32" if prec == "tf32x3" else "ieee"))
+
+
+def test_chunk_split_head_dim_64_extreme_norms():
+    """D64 in the split backward with the default V blocks; EFLA key norms alternating 1e-4 / 1e4 every row."""
+    inp = _inputs(1, 35, 1, 64, 64, "efla", seed=59)
+    scale = torch.tensor([1e-4, 1e4], dtype=torch.float64).repeat(18)[:35].view(1, 35, 1, 1)
+    inp["k"] = torch.nn.functional.normalize(inp["k"], dim=-1) * scale
+    _check(inp, "efla", torch.float32, config=dict(bwd="split", prec="tf32x3"))
+
+
+def test_chunk_split_bf16_and_no_state():
+    """bf16 inputs (the kernels write dq, dk, dv, dβ in bf16 directly) and the path without h0 and resets."""
+    _check(_inputs(1, 20, 1, 16, 32, "efla", seed=61), "efla", torch.bfloat16, config=SPLIT)
+    _check(_inputs(1, 20, 1, 16, 32, "deltanet", seed=61), "deltanet", torch.float32, with_h0=False,
+           with_resets=False, config=SPLIT)
+
+
+def test_chunk_config_validation():
+    from rlseq.kernels.triton_chunk import check_config, default_config
+
+    base = default_config(64, 16, 16)
+    for bad in (dict(prec="tf32x2"), dict(kside_prec="bf16"), dict(bwd="splt"), dict(mode="x"), dict(chunk_size=8), dict(kside_block_v=24),
+                dict(block_v_bwd=8), dict(warps=4)):
+        with pytest.raises(ValueError):
+            check_config(dict(base, **bad))
+    x = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(ValueError):
+        triton_ops.chunk_triton(x, x, x, x[..., 0], rule="efla", config=dict(prec="fp32"))
+
+
 def test_chunk_api_dispatch_and_no_grad_path():
     inp = _inputs(1, 18, 1, 16, 16, "efla", seed=4)
     x = {n: inp[n].float() for n in FIELDS}

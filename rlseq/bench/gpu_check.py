@@ -10,12 +10,20 @@
    ``python -m rlseq.bench kernels`` (the documented shapes, fla rows included) will use, so several processes can fill
    triton's on-disk cache in parallel before anything is timed.
 
+4. ``--candidates [NAME ...]`` (issue 3): compile every named config of ``CANDIDATES`` (all by default) in
+   ``--jobs`` parallel processes, check each against the float64 oracle (D64 and D32, both rules, fp32 and bf16,
+   resets, zero keys, key norms 1e-4..1e4; max relative error per tensor, OK/FAIL), then time fwd+bwd at
+   ``TIME_SHAPES`` with each kernel's registers/spills, plus fla's kernels when importable. One command, ~3-4 min.
+5. ``--ptxas`` (no GPU needed): compile the candidates' kernels for sm_90 on the CPU and print ptxas's registers and
+   spill bytes per kernel, to screen configs before a GPU call.
+
 Prints a compact table last; ``--log`` writes every row to a file.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import itertools
 import sys
 import time
@@ -64,7 +72,7 @@ def resources() -> str:
     from rlseq.kernels.triton_chunk import LAST_COMPILED
 
     out = []
-    for name in ("fwd", "bwd"):
+    for name in ("prep", "fwd", "bwd", "bwd_v", "bwd_k"):
         k = LAST_COMPILED.get(name)
         if k is None:
             continue
@@ -81,8 +89,15 @@ def describe(cfg, T=256, K=64, V=64, B=None, H=None) -> str:
     from rlseq.kernels.triton_chunk import _block_v, default_config
 
     full = dict(default_config(T, K, V, B, H), **(cfg or {}))
-    return (f"C{full['chunk_size']} BV{_block_v(full, V)} w{full['num_warps']} s{full['num_stages']} "
-            f"{full['mode']} {full['prec']}" + (" (default)" if not cfg else ""))
+    text = (f"C{full['chunk_size']} BV{_block_v(full, V)} w{full['num_warps']} s{full['num_stages']} "
+            f"{full['mode']} {full['prec']} {full['bwd']}")
+    if full["bwd"] == "split":
+        text += (f" (V side BV{_block_v(full, V, 'block_v_bwd')} w{full['num_warps_bwd'] or full['num_warps']}, "
+                 f"K side BV{_block_v(full, V, 'kside_block_v')} w{full['kside_warps']} "
+                 f"{full['kside_prec'] or full['prec']})")
+    elif full["num_warps_bwd"] or full["block_v_bwd"]:
+        text += f" (bwd BV{_block_v(full, V, 'block_v_bwd')} w{full['num_warps_bwd'] or full['num_warps']})"
+    return text + (" (default)" if not cfg else "")
 
 
 def check_chunk(inp, rule, dtype, cfg, ref):
@@ -229,6 +244,280 @@ def warm(device, i, n, configs, fla=True) -> None:
             print(f"warm {kind} T{T} D{D} {dt} {cfg}: ERROR {type(e).__name__}: {str(e)[:160]}", flush=True)
 
 
+# --- issue 3 candidates: named configs, checked and timed in one call (--candidates) -------------------------
+
+# overrides of triton_chunk.default_config; "default" is today's default
+CANDIDATES = {
+    "default": {},
+    "fused-w8": dict(num_warps=8),
+    "fused-tf32x3": dict(prec="tf32x3"),
+    "fused-tf32x3-w8": dict(prec="tf32x3", num_warps=8),
+    "fused-tf32": dict(prec="tf32", num_warps=8),  # over the fp32 budget (2.3e-3 on the H200): a speed bound
+    # split backward; the K side stays fp32 FMA at 8 warps (0 spills on sm_90) unless named "-all"
+    "split": dict(bwd="split", num_warps=8, kside_warps=8),
+    "split-tf32x3": dict(bwd="split", prec="tf32x3", kside_prec="ieee", kside_warps=8),
+    "split-tf32x3-w8": dict(bwd="split", prec="tf32x3", kside_prec="ieee", num_warps=8, kside_warps=8),
+    "split-tf32x3-bv32": dict(bwd="split", prec="tf32x3", kside_prec="ieee", block_v=32, block_v_bwd=32,
+                              num_warps=8, kside_warps=8),
+    "split-tf32x3-bwd64": dict(bwd="split", prec="tf32x3", kside_prec="ieee", block_v_bwd=64, num_warps_bwd=8,
+                               kside_warps=8),
+    "split-tf32x3-c16": dict(bwd="split", prec="tf32x3", kside_prec="ieee", chunk_size=16, kside_warps=8),
+    "split-tf32x3-all": dict(bwd="split", prec="tf32x3", kside_warps=8),
+    "split-tf32": dict(bwd="split", prec="tf32", kside_warps=8),
+}
+TIME_SHAPES = [(8, 256, 4, 64), (64, 256, 4, 64), (8, 256, 4, 32), (64, 256, 4, 16), (16, 1024, 4, 64)]
+CHECK_DIMS = (64, 32)
+CHECK_B, CHECK_T, CHECK_H = 2, 100, 4  # H as timed: H is a constexpr, so checks and timing share compiled kernels
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve(name, B, T, H, K, V) -> dict:
+    """The full config a candidate runs with at one shape (defaults depend on the shape)."""
+    from rlseq.kernels.triton_chunk import check_config, default_config
+
+    return check_config(dict(default_config(T, K, V, B, H), **CANDIDATES[name]))
+
+
+def fp32_tol(cfg) -> float:
+    """Budget vs float64: 1e-4 relative, 5e-4 where plain tf32 products are used (documented)."""
+    return 5e-4 if "tf32" in (cfg["prec"], cfg["kside_prec"]) else 1e-4
+
+
+def check_jobs(names) -> list:
+    """(name, rule, dtype name, D, full config): every candidate at D64 and D32, both rules, fp32 and bf16, with
+    the config it gets at B8 and, in fp32, also at B64 when that differs (the default V block depends on B)."""
+    jobs = []
+    for name, D, rule, dt in itertools.product(names, CHECK_DIMS, ("efla", "deltanet"), DTYPES):
+        seen = []
+        for B in (8, 64) if dt == "float32" else (8,):
+            cfg = resolve(name, B, 256, CHECK_H, D, D)
+            if cfg not in seen:
+                seen.append(cfg)
+                jobs.append((name, rule, dt, D, cfg))
+    return jobs
+
+
+def warm_candidates(device, i, n, names, fla) -> None:
+    """Compile share i of n of what ``--candidates`` runs (tiny B, same constexprs), to fill triton's cache in
+    parallel processes before anything is timed."""
+    jobs = [("efla", "float32", D, resolve(nm, B, T, H, D, D)) for (B, T, H, D), nm in itertools.product(TIME_SHAPES, names)]
+    jobs += [(rule, dt, D, cfg) for _, rule, dt, D, cfg in check_jobs(names)]
+    if fla:
+        jobs += [("fla", dt, D, None) for (_, _, _, D), dt in itertools.product(TIME_SHAPES, ("float32", "bfloat16"))]
+    uniq = []  # T is not specialized on (do_not_specialize): one short T compiles what every T runs
+    for j in jobs:
+        if j not in uniq:
+            uniq.append(j)
+    for rule, dt, D, cfg in uniq[i::n]:
+        t0 = time.time()
+        try:
+            inp = inputs(1, 40, CHECK_H, D, D, "deltanet" if rule == "fla" else rule, seed=0, device=device)
+            if rule == "fla":
+                fla_fwd_bwd(inp, DTYPES[dt])[0]()
+            else:
+                x = {f: inp[f].to(DTYPES[dt] if f != "initial_state" else torch.float32).requires_grad_() for f in FIELDS}
+                o, s = chunk_triton(*(x[f] for f in FIELDS[:4]), rule=rule, initial_state=x["initial_state"],
+                                    resets=inp["resets"], config=cfg)
+                (o.float().sum() + s.sum()).backward()
+            torch.cuda.synchronize()
+            print(f"warm {rule} {dt} D{D}: {time.time() - t0:.1f}s", flush=True)
+        except Exception as e:
+            print(f"warm {rule} {dt} D{D} {cfg}: ERROR {type(e).__name__}: {str(e)[:300]}", flush=True)
+
+
+def fla_fwd_bwd(inp, dtype):
+    """fwd+bwd of flash-linear-attention's DeltaNet on unit keys (fp32: fused_recurrent; bf16: chunk), no resets."""
+    from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
+
+    fn = fused_recurrent_delta_rule if dtype == torch.float32 else chunk_delta_rule
+    x = {f: inp[f].to(dtype if f != "initial_state" else torch.float32).clone().requires_grad_() for f in FIELDS}
+    do = torch.randn_like(x["v"])
+
+    def run():
+        o, s = fn(*(x[f] for f in FIELDS[:4]), scale=1.0, initial_state=x["initial_state"], output_final_state=True)
+        torch.autograd.backward([o, s], [do, torch.ones_like(s)])
+    return run, list(x.values())
+
+
+def check_candidates(device, names, log) -> list:
+    """Every candidate against the float64 oracle (resets, zero keys, key norms 1e-4..1e4, T not a multiple of the
+    chunk); one line per check with the max relative error per tensor and OK/FAIL."""
+    rows, refs = [], {}
+    t0 = time.time()
+    for name, rule, dt, D, cfg in check_jobs(names):
+        dtype = DTYPES[dt]
+        key = (rule, dt, D)
+        if key not in refs:
+            inp = inputs(CHECK_B, CHECK_T, CHECK_H, D, D, rule, seed=D + len(rule), device=device)
+            g = torch.Generator(device=device).manual_seed(99)
+            do = torch.randn(CHECK_B, CHECK_T, CHECK_H, D, device=device, dtype=torch.float64, generator=g)
+            ds = torch.randn(CHECK_B, CHECK_H, D, D, device=device, dtype=torch.float64, generator=g)
+            refs[key] = inp, (*oracle(inp, rule, dtype, do, ds), do, ds)
+        inp, ref = refs[key]
+        try:
+            errs = check_chunk(inp, rule, dtype, cfg, ref)
+        except Exception as e:
+            errs = {"error": float("inf")}
+            print(f"{name} {rule} {dt} D{D}: {type(e).__name__}: {str(e)[:300]}", file=log, flush=True)
+        tol = fp32_tol(cfg) if dtype == torch.float32 else 1e-2
+        m = max(errs.values())
+        ok = m <= tol
+        line = (f"[{time.time() - t0:4.0f}s] {name:18s} {rule:8s} {dt:8s} D{D} BV{cfg['block_v']}/{cfg['block_v_bwd']} "
+                f"max {m:.1e} (tol {tol:.0e}) {'OK' if ok else 'FAIL'}  " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()))
+        print(line, file=log, flush=True)
+        rows.append((ok, line))
+    return rows
+
+
+def time_candidates(device, names, shapes, log, fla) -> list:
+    """fwd and fwd+bwd (EFLA fp32, resets ~2%, key norms 1e-2..1e2; ``do_bench``: CUDA events, median after
+    warm-up) of every candidate at every shape, with the compiled kernels' registers and spills; fla rows
+    (DeltaNet, unit keys, no resets: fused_recurrent fp32 and chunk bf16) when importable."""
+    import triton.testing
+
+    from rlseq.kernels.triton_chunk import LAST_COMPILED
+
+    rows = []
+    for B, T, H, D in shapes:
+        inp = inputs(B, T, H, D, D, "efla", seed=1, device=device, reset_prob=0.02, norms=(1e-2, 1e2))
+        x = {n: inp[n].float().clone().requires_grad_() for n in FIELDS}
+        do = torch.randn(B, T, H, D, device=device)
+        for name in names:
+            def fwd(cfg=CANDIDATES[name]):
+                return chunk_triton(x["q"], x["k"], x["v"], x["beta"], rule="efla", initial_state=x["initial_state"],
+                                    resets=inp["resets"], config=cfg)
+
+            def fb():
+                o, s = fwd()
+                torch.autograd.backward([o, s], [do, torch.ones_like(s)])
+
+            def f():
+                with torch.no_grad():
+                    fwd()
+            try:
+                LAST_COMPILED.clear()
+                tfb = triton.testing.do_bench(fb, warmup=25, rep=100, return_mode="median", grad_to_none=list(x.values()))
+                res = resources()
+                tf = triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")
+            except Exception as e:
+                print(f"time {name} B{B} T{T} H{H} D{D}: ERROR {type(e).__name__}: {str(e)[:300]}", file=log, flush=True)
+                continue
+            rows.append(((B, T, H, D), name, tf, tfb, res, describe(resolve(name, B, T, H, D, D), T, D, D, B, H)))
+            print(f"time B{B} T{T} H{H} D{D} {name}: fwd {tf:.3f} ms, fwd+bwd {tfb:.3f} ms | {res}", file=log, flush=True)
+        if fla:
+            for dt in (torch.float32, torch.bfloat16):
+                try:
+                    xin = inputs(B, T, H, D, D, "deltanet", seed=1, device=device, reset_prob=0.0)
+                    run, leaves = fla_fwd_bwd(xin, dt)
+                    tfb = triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median", grad_to_none=leaves)
+                except Exception as e:
+                    print(f"time fla {dt} B{B} D{D}: ERROR {type(e).__name__}: {str(e)[:200]}", file=log, flush=True)
+                    continue
+                what = "fla fused_recurrent fp32" if dt == torch.float32 else "fla chunk bf16"
+                rows.append(((B, T, H, D), what, float("nan"), tfb, "", "DeltaNet, no resets"))
+    return rows
+
+
+def run_candidates(device, names, log, jobs, fla) -> None:
+    """``--candidates``: compile in ``jobs`` parallel processes, then check every candidate, then time them."""
+    import subprocess
+
+    t0 = time.time()
+    if jobs > 0:
+        cmd = [sys.executable, "-m", "rlseq.bench.gpu_check", "--candidates", *names, "--warm-candidates"]
+        procs = [subprocess.Popen(cmd + [str(i), str(jobs)] + ([] if fla else ["--no-fla"]), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for i in range(jobs)]
+        for p in procs:
+            out, _ = p.communicate()
+            for line in out.splitlines():
+                if "ERROR" in line:
+                    print(line, flush=True)
+        print(f"compiled in {jobs} processes: {time.time() - t0:.0f}s", flush=True)
+    rows = check_candidates(device, names, log)
+    n_fail = sum(not ok for ok, _ in rows)
+    print(f"correctness: {len(rows) - n_fail}/{len(rows)} OK ({time.time() - t0:.0f}s so far)", flush=True)
+    for ok, line in rows:
+        if not ok:
+            print(line, flush=True)
+    res = time_candidates(device, names, TIME_SHAPES, log, fla)
+    print(f"timing done ({time.time() - t0:.0f}s)\n")
+    print("| shape (B,T,H,D) | candidate | fwd ms | fwd+bwd ms | config | regs/spills |")
+    print("|---|---|---|---|---|---|")
+    for shape, name, tf, tfb, rs, desc in sorted(res, key=lambda r: (TIME_SHAPES.index(r[0]), r[3])):
+        print(f"| {shape} | {name} | {tf:.3f} | {tfb:.3f} | {desc} | {rs} |")
+
+
+def ptxas_report(names, shapes, arch=90) -> None:
+    """``--ptxas``, no GPU needed: compile every kernel each candidate launches at each shape (EFLA fp32) for
+    sm_{arch} and print ptxas's registers per thread and spill bytes. The launches are recorded from the real
+    wrappers (chunk_fwd/chunk_bwd on tiny CPU tensors with the kernels swapped for recorders), so the signatures
+    and constexprs are exactly those of a GPU run. Run it without TRITON_INTERPRET."""
+    import re
+    import subprocess
+    import tempfile
+
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as triton_compile
+
+    from rlseq.kernels import triton_chunk as tc
+
+    kernels = ("chunk_prep_kernel", "chunk_fwd_kernel", "chunk_bwd_kernel", "chunk_bwd_v_kernel", "chunk_bwd_k_kernel")
+    ptr = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.uint8: "*u8"}
+
+    class Recorder:
+        def __init__(self, fn, calls):
+            self.fn, self.calls = fn, calls
+
+        def __getitem__(self, grid):
+            return lambda *args, **kw: self.calls.append((self.fn, args, kw))
+
+    print(f"| shape (B,T,H,D) | candidate | kernel | regs | spill stores/loads (bytes) | compile s |")
+    print("|---|---|---|---|---|---|")
+    for (B, T, H, D), name in itertools.product(shapes, names):
+        cfg = resolve(name, B, T, H, D, D)
+        calls = []
+        saved = {n: getattr(tc, n) for n in kernels}
+        try:
+            for n in kernels:
+                setattr(tc, n, Recorder(saved[n], calls))
+            inp = {n: t.float() for n, t in inputs(1, 2 * cfg["chunk_size"], H, D, D, "efla", 0, "cpu").items()
+                   if n != "resets"}
+            resets = torch.zeros(1, 2 * cfg["chunk_size"], dtype=torch.bool)
+            _, ht, hs, ps, dbuf = tc.chunk_fwd(inp["q"], inp["k"], inp["v"], inp["beta"], resets, inp["initial_state"],
+                                               efla=True, save=True, cfg=cfg)
+            tc.chunk_bwd(inp["q"], inp["k"], inp["v"], inp["beta"], resets, hs, ps, dbuf, torch.zeros_like(inp["v"]),
+                         ht, efla=True, cfg=cfg)
+        finally:
+            for n in kernels:
+                setattr(tc, n, saved[n])
+        for fn, args, kw in calls:
+            sig, consts, attrs = {}, {}, {}
+            for i, (arg, param) in enumerate(zip(fn.arg_names, fn.params)):
+                val = args[i] if i < len(args) else kw[arg]
+                if isinstance(val, torch.Tensor):
+                    sig[arg], attrs[(i,)] = ptr[val.dtype], [["tt.divisibility", 16]]
+                elif param.is_constexpr:
+                    sig[arg], consts[(i,)] = "constexpr", val
+                else:
+                    sig[arg] = "i32"
+            t0 = time.time()
+            k = triton_compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
+                               options=dict(num_warps=kw["num_warps"], num_stages=kw["num_stages"]))
+            ct = time.time() - t0
+            with tempfile.TemporaryDirectory() as tmp:
+                src = f"{tmp}/k.ptx"
+                with open(src, "w") as fh:
+                    fh.write(k.asm["ptx"])
+                log = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name=sm_{arch}a", src, "-o", f"{tmp}/k.o"],
+                                     capture_output=True, text=True).stderr
+            regs = re.search(r"Used (\d+) registers", log)
+            spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+            print(f"| {(B, T, H, D)} | {name} | {fn.__name__} w{kw['num_warps']} | {regs.group(1) if regs else '?'} | "
+                  f"{'/'.join(spill.groups()) if spill else '?'} | {ct:.1f} |", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--time", action="store_true")
@@ -237,14 +526,33 @@ def main(argv=None):
                    help="default config only, fp32, shapes 0 and 2, both rules, step at K=V=64 with 2/4/8 warps")
     p.add_argument("--time-configs", type=int, nargs="*", default=None, help="indices of the configs to time")
     p.add_argument("--no-check", action="store_true", help="skip the correctness sweep (e.g. with --time)")
-    p.add_argument("--no-fla", action="store_true", help="--warm: skip the fla kernels")
+    p.add_argument("--no-fla", action="store_true", help="--warm, --candidates: skip the fla kernels")
     p.add_argument("--warm", type=int, nargs=2, default=None, metavar=("I", "N"), help="compile share I of N, then exit")
+    p.add_argument("--candidates", nargs="*", default=None, metavar="NAME",
+                   help=f"check and time the named configs (none named: all of {', '.join(CANDIDATES)}) and the fla "
+                        "kernels, after compiling in --jobs parallel processes")
+    p.add_argument("--jobs", type=int, default=12, help="--candidates: parallel compile processes (0: none)")
+    p.add_argument("--warm-candidates", type=int, nargs=2, default=None, metavar=("I", "N"), help=argparse.SUPPRESS)
+    p.add_argument("--ptxas", action="store_true",
+                   help="no GPU: registers and spills of every kernel of the candidates at the timed shapes (sm_90)")
     a = p.parse_args(argv)
-    device = torch.device("cuda")
     import triton
 
+    if a.candidates is not None or a.ptxas:
+        names = a.candidates or list(CANDIDATES)
+        unknown = [n for n in names if n not in CANDIDATES]
+        if unknown:
+            raise SystemExit(f"unknown candidates {unknown}; valid: {', '.join(CANDIDATES)}")
+        if a.ptxas:
+            return ptxas_report(names, TIME_SHAPES[:4])
+    device = torch.device("cuda")
+    fla = not a.no_fla and importlib.util.find_spec("fla") is not None
+    if a.warm_candidates is not None:
+        return warm_candidates(device, *a.warm_candidates, names, fla)
     log = open(a.log, "w") if a.log else sys.stdout
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
+    if a.candidates is not None:
+        return run_candidates(device, names, log, a.jobs, fla)
     configs = time_configs()
     if a.warm is not None:
         warm(device, *a.warm, configs if a.time_configs is None else [configs[i] for i in a.time_configs],

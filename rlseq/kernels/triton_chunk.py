@@ -14,12 +14,16 @@ the raw inputs (``triton_core.gate_fwd``), the segment masks from the resets, an
 which is ``rlseq.kernels.chunk.chunk_torch`` rewritten with ``D = U − diag(sees) W S₀ = P R``.
 
 Launches: forward 1 (``mode="inline"``: P by forward substitution inside the walk) or 2 (``mode="prep"``:
-a first kernel computes every chunk's P in parallel over (sequence, head, chunk)); backward 1 (it reloads
-P and the chunk-entry states saved by the forward, and chains the gate's gradient back to k, v and β
-in-kernel) when there is one V block. With several V blocks, dv and dS₀ are still exact per block, while dq,
-dk and dβ are sums over the blocks: every block chains its own partial through the gate (the gate's backward
-is linear in (dk̂, dg, dw·v)) and writes it to one fp32 buffer ``[n_vblocks, 2·N·K + N]``; one ``torch.sum``
-over the blocks reduces it (deterministic, no atomics): backward = 2 launches (+ 3 casts for bf16/fp16 inputs). Dots run in fp32 (``input_precision="ieee"``) unless ``prec="tf32"``.
+a first kernel computes every chunk's P in parallel over (sequence, head, chunk)). Backward, ``bwd="fused"``: one
+kernel per (sequence·head, V block) reloads P and the chunk-entry states saved by the forward, walks back with dS,
+and chains the gate's gradient to k, v and β in-kernel. dv and dS₀ are exact per block, while dq, dk and dβ are
+sums over the blocks: every block chains its own partial through the gate (the gate's backward is linear in
+(dk̂, dg, Σ_v dw·v)) into one fp32 buffer ``[n_vblocks, 2·N·K + N]``, and one ``torch.sum`` reduces it
+(deterministic, no atomics): 1 launch with one V block, else 2 (+ 3 casts for bf16/fp16 inputs).
+``bwd="split"`` moves the cross-V work out of the recurrence to cut live tiles: a V-side kernel (reverse walk per
+(sequence·head, V block): dS, dR = Pᵀ dD, dv, dS₀) saves dR and each chunk's exit dS, and a K-side kernel per
+(sequence·head, chunk), all chunks in parallel, forms dq, dk̂, dg from them, S₀ and the D saved by the forward,
+and chains the gate: 2 launches, no reduction, no casts. Dot precision: ``config["prec"]`` (``default_config``).
 """
 
 from __future__ import annotations
@@ -32,20 +36,20 @@ from rlseq.kernels.triton_core import gate_bwd, gate_fwd, segments, tril_inverse
 
 
 @triton.jit
-def _load_chunk(q, k, v, beta, resets, b, h, t0, v0, T, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EFLA: tl.constexpr, HAS_RESETS: tl.constexpr):
-    """Load one chunk (fp32, zeros past T; v columns ``v0 .. v0+BV``) and form the unit-key gate and masks."""
+def _load_keys(q, k, beta, resets, b, h, t0, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+               BK: tl.constexpr, EFLA: tl.constexpr, HAS_RESETS: tl.constexpr):
+    """Load the key side of one chunk (fp32, zeros past T) and form the unit-key gate and the segment masks.
+
+    Returns ``q, k, k̂ [BT, BK]``, ``β, λ, g, s [BT]`` (``w = s v``), ``seg, sees, last [BT]``, ``carry``, ``row [BT]``
+    (int64 row index into the ``[B·T·H, ·]`` layout), ``mqk [BT, BK]`` and ``mt [BT]`` (the in-range masks)."""
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
-    rv = v0 + tl.arange(0, BV)
     t = t0 + rt
     mt = t < T
     row = (b * T + t).to(tl.int64) * H + h
     mqk = mt[:, None] & (rk < K)[None, :]
-    mv = mt[:, None] & (rv < V)[None, :]
     q_c = tl.load(q + row[:, None] * K + rk[None, :], mask=mqk, other=0.0).to(tl.float32)
     k_c = tl.load(k + row[:, None] * K + rk[None, :], mask=mqk, other=0.0).to(tl.float32)
-    v_c = tl.load(v + row[:, None] * V + rv[None, :], mask=mv, other=0.0).to(tl.float32)
     b_c = tl.load(beta + row, mask=mt, other=0.0).to(tl.float32)
     if HAS_RESETS:
         r = tl.load(resets + b.to(tl.int64) * T + t, mask=mt, other=0).to(tl.int32)
@@ -57,33 +61,40 @@ def _load_chunk(q, k, v, beta, resets, b, h, t0, v0, T, H: tl.constexpr, K: tl.c
         kh = k_c / n[:, None]
     else:
         kh = k_c
-    w = s[:, None] * v_c
     seg, sees, last, carry = segments(r)
-    return q_c, k_c, v_c, b_c, lam, kh, g, w, seg, sees, last, carry, row, mqk, mv
+    return q_c, k_c, kh, b_c, lam, g, s, seg, sees, last, carry, row, mqk, mt
 
 
 @triton.jit
-def chunk_prep_kernel(k, v, beta, resets, ps, T, NT, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EFLA: tl.constexpr,
-                      HAS_RESETS: tl.constexpr, PREC: tl.constexpr):
+def _load_cols(x, row, mt, v0, V: tl.constexpr, BV: tl.constexpr):
+    """Columns ``v0 .. v0+BV`` of the rows ``row`` of a row-major ``[·, V]`` tensor as fp32 ``[BT, BV]``, zeros
+    outside ``mt`` and V."""
+    rv = v0 + tl.arange(0, BV)
+    m = mt[:, None] & (rv < V)[None, :]
+    return tl.load(x + row[:, None] * V + rv[None, :], mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def chunk_prep_kernel(k, beta, resets, ps, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
+                      BK: tl.constexpr, EFLA: tl.constexpr, HAS_RESETS: tl.constexpr, PREC: tl.constexpr):
     """``P = (I + A)^{-1}`` of every chunk, one program per (sequence·head, chunk)."""
     bh = tl.program_id(0)
     n = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    _, _, _, _, _, kh, g, _, seg, _, _, _, _, _, _ = _load_chunk(
-        k, k, v, beta, resets, b, h, n * BT, 0, T, H, K, V, BT, BK, BV, EFLA, HAS_RESETS)
+    _, _, kh, _, _, g, _, seg, _, _, _, _, _, _ = _load_keys(
+        k, k, beta, resets, bh // H, bh % H, n * BT, T, H, K, BT, BK, EFLA, HAS_RESETS)
     kk = tl.dot(kh, tl.trans(kh), input_precision=PREC)
     p = tril_inverse(kk, g, seg, BT)
     rt = tl.arange(0, BT)
     tl.store(ps + ((bh.to(tl.int64) * NT + n) * BT + rt[:, None]) * BT + rt[None, :], p)
 
 
-@triton.jit
-def chunk_fwd_kernel(q, k, v, beta, resets, h0, o, ht, hs, ps, T, NT, H: tl.constexpr, K: tl.constexpr,
+@triton.jit(do_not_specialize=["T", "NT"])
+def chunk_fwd_kernel(q, k, v, beta, resets, h0, o, ht, hs, ps, dbuf, T, NT, H: tl.constexpr, K: tl.constexpr,
                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EFLA: tl.constexpr,
                      HAS_RESETS: tl.constexpr, HAS_H0: tl.constexpr, SAVE_STATES: tl.constexpr,
-                     LOAD_P: tl.constexpr, SAVE_P: tl.constexpr, PREC: tl.constexpr):
+                     LOAD_P: tl.constexpr, SAVE_P: tl.constexpr, SAVE_D: tl.constexpr, PREC: tl.constexpr):
+    """One program per (sequence·head, V block). Saves, when asked, the chunk-entry states ``hs [B·H, NT, K, V]``,
+    P ``[B·H, NT, BT, BT]`` and D ``dbuf [B·H, NT·BT, V]`` (for the split backward)."""
     bh = tl.program_id(0)
     vb = tl.program_id(1)
     b = bh // H
@@ -99,11 +110,13 @@ def chunk_fwd_kernel(q, k, v, beta, resets, h0, o, ht, hs, ps, T, NT, H: tl.cons
     else:
         state = tl.zeros([BK, BV], dtype=tl.float32)
     for n in range(NT):
-        q_c, k_c, v_c, b_c, lam, kh, g, w, seg, sees, last, carry, row, mqk, mv = _load_chunk(
-            q, k, v, beta, resets, b, h, n * BT, vb * BV, T, H, K, V, BT, BK, BV, EFLA, HAS_RESETS)
+        c = bh.to(tl.int64) * NT + n
+        q_c, _, kh, _, _, g, s, seg, sees, last, carry, row, _, mt = _load_keys(
+            q, k, beta, resets, b, h, n * BT, T, H, K, BT, BK, EFLA, HAS_RESETS)
+        v_c = _load_cols(v, row, mt, vb * BV, V, BV)
         if SAVE_STATES:
-            tl.store(hs + (bh.to(tl.int64) * NT + n) * K * V + off_s, state, mask=m_s)
-        off_p = ((bh.to(tl.int64) * NT + n) * BT + rt[:, None]) * BT + rt[None, :]
+            tl.store(hs + c * K * V + off_s, state, mask=m_s)
+        off_p = (c * BT + rt[:, None]) * BT + rt[None, :]
         if LOAD_P:
             p = tl.load(ps + off_p)
         else:
@@ -112,22 +125,24 @@ def chunk_fwd_kernel(q, k, v, beta, resets, h0, o, ht, hs, ps, T, NT, H: tl.cons
             if SAVE_P:  # every V block computes the same P; the first one saves it
                 tl.store(ps + off_p, p, mask=((rt[:, None] + rt[None, :]) * 0 + vb) == 0)
         ks = tl.dot(kh, state, input_precision=PREC)
-        r_c = w - (g * sees)[:, None] * ks
+        r_c = s[:, None] * v_c - (g * sees)[:, None] * ks
         d = tl.dot(p, r_c, input_precision=PREC)
+        if SAVE_D:
+            tl.store(dbuf + (c * BT + rt[:, None]) * V + rv[None, :], d, mask=(rv < V)[None, :])
         same = seg[:, None] == seg[None, :]
         qk = tl.where(lower & same, tl.dot(q_c, tl.trans(kh), input_precision=PREC), 0.0)
         o_c = sees[:, None] * tl.dot(q_c, state, input_precision=PREC) + tl.dot(qk, d, input_precision=PREC)
-        tl.store(o + row[:, None] * V + rv[None, :], o_c.to(o.dtype.element_ty), mask=mv)
+        tl.store(o + row[:, None] * V + rv[None, :], o_c.to(o.dtype.element_ty), mask=mt[:, None] & (rv < V)[None, :])
         state = carry * state + tl.dot(tl.trans(kh), last[:, None] * d, input_precision=PREC)
     tl.store(ht + bh.to(tl.int64) * K * V + off_s, state, mask=m_s)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "NT", "PS"])
 def chunk_bwd_kernel(q, k, v, beta, resets, hs, ps, do, dht, dq, dk, dv, dbeta, dh0, T, NT, PS, H: tl.constexpr,
                      K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                      EFLA: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_DHT: tl.constexpr, PREC: tl.constexpr):
-    """One program per (sequence·head, V block). dq, dk, dβ are this block's partials (the final gradients when
-    there is one block), written at ``dq + vb·PS`` etc.; dv and dS₀ are exact per block."""
+    """The fused backward: one program per (sequence·head, V block). dq, dk, dβ are this block's partials (the
+    final gradients when there is one block), written at ``dq + vb·PS`` etc.; dv and dS₀ are exact per block."""
     bh = tl.program_id(0)
     vb = tl.program_id(1)
     b = bh // H
@@ -146,17 +161,19 @@ def chunk_bwd_kernel(q, k, v, beta, resets, hs, ps, do, dht, dq, dk, dv, dbeta, 
         ds = tl.zeros([BK, BV], dtype=tl.float32)
     for i in range(NT):
         n = NT - 1 - i
-        q_c, k_c, v_c, b_c, lam, kh, g, w, seg, sees, last, carry, row, mqk, mv = _load_chunk(
-            q, k, v, beta, resets, b, h, n * BT, vb * BV, T, H, K, V, BT, BK, BV, EFLA, HAS_RESETS)
-        s0 = tl.load(hs + (bh.to(tl.int64) * NT + n) * K * V + off_s, mask=m_s, other=0.0)
-        p = tl.load(ps + ((bh.to(tl.int64) * NT + n) * BT + rt[:, None]) * BT + rt[None, :])
-        do_c = tl.load(do + row[:, None] * V + rv[None, :], mask=mv, other=0.0).to(tl.float32)
+        c = bh.to(tl.int64) * NT + n
+        q_c, k_c, kh, b_c, lam, g, s, seg, sees, last, carry, row, mqk, mt = _load_keys(
+            q, k, beta, resets, b, h, n * BT, T, H, K, BT, BK, EFLA, HAS_RESETS)
+        v_c = _load_cols(v, row, mt, vb * BV, V, BV)
+        do_c = _load_cols(do, row, mt, vb * BV, V, BV)
+        s0 = tl.load(hs + c * K * V + off_s, mask=m_s, other=0.0)
+        p = tl.load(ps + (c * BT + rt[:, None]) * BT + rt[None, :])
         same = seg[:, None] == seg[None, :]
         gs = g * sees
         # recompute the forward's intermediates
         kk = tl.dot(kh, tl.trans(kh), input_precision=PREC)
         ks = tl.dot(kh, s0, input_precision=PREC)
-        d = tl.dot(p, w - gs[:, None] * ks, input_precision=PREC)
+        d = tl.dot(p, s[:, None] * v_c - gs[:, None] * ks, input_precision=PREC)
         qk = tl.where(lower & same, tl.dot(q_c, tl.trans(kh), input_precision=PREC), 0.0)
         # through O and S₁
         dd = tl.dot(tl.trans(qk), do_c, input_precision=PREC) + last[:, None] * tl.dot(kh, ds, input_precision=PREC)
@@ -173,24 +190,142 @@ def chunk_bwd_kernel(q, k, v, beta, resets, hs, ps, do, dht, dq, dk, dv, dbeta, 
         ds = carry * ds + tl.dot(tl.trans(q_c), sees[:, None] * do_c, input_precision=PREC) \
             - tl.dot(tl.trans(kh), gs[:, None] * dr, input_precision=PREC)
         # the gate, back to the raw inputs (linear in dkh, dg and Σ_v dr·v: per-block partials add up)
-        dk_c, dv_c, db_c = gate_bwd(k_c, kh, v_c, b_c, lam, dkh, dg, dr, EFLA)
+        dk_c, db_c = gate_bwd(k_c, kh, b_c, lam, dkh, dg, tl.sum(dr * v_c, 1), EFLA)
         tl.store(dq + po + row[:, None] * K + rk[None, :], dq_c.to(dq.dtype.element_ty), mask=mqk)
         tl.store(dk + po + row[:, None] * K + rk[None, :], dk_c.to(dk.dtype.element_ty), mask=mqk)
-        tl.store(dv + row[:, None] * V + rv[None, :], dv_c.to(dv.dtype.element_ty), mask=mv)
-        tl.store(dbeta + po + row, db_c.to(dbeta.dtype.element_ty), mask=(n * BT + rt) < T)
+        tl.store(dv + row[:, None] * V + rv[None, :], (s[:, None] * dr).to(dv.dtype.element_ty),
+                 mask=mt[:, None] & (rv < V)[None, :])
+        tl.store(dbeta + po + row, db_c.to(dbeta.dtype.element_ty), mask=mt)
     tl.store(dh0 + bh.to(tl.int64) * K * V + off_s, ds, mask=m_s)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def chunk_bwd_v_kernel(q, k, beta, resets, ps, do, dht, dv, drbuf, dsbuf, dh0, T, NT, H: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       EFLA: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_DHT: tl.constexpr, PREC: tl.constexpr):
+    """Split backward, V side: one program per (sequence·head, V block) walks the chunks in reverse with its
+    columns of dS on chip. Per chunk: ``dD = (Lower(QK̂ᵀ) ⊙ same)ᵀ dO + diag(last) K̂ dS``, ``dR = Pᵀ dD``,
+    ``dv = s dR`` (exact), and it saves ``dR → drbuf [B·H, NT·BT, V]`` and the chunk's exit ``dS → dsbuf
+    [B·H, NT, K, V]`` for the K side, before ``dS ← carry dS + Qᵀ diag(sees) dO − K̂ᵀ diag(g sees) dR``."""
+    bh = tl.program_id(0)
+    vb = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    rv = vb * BV + tl.arange(0, BV)
+    m_s = (rk < K)[:, None] & (rv < V)[None, :]
+    off_s = rk[:, None] * V + rv[None, :]
+    lower = rt[:, None] >= rt[None, :]
+    if HAS_DHT:
+        ds = tl.load(dht + bh.to(tl.int64) * K * V + off_s, mask=m_s, other=0.0).to(tl.float32)
+    else:
+        ds = tl.zeros([BK, BV], dtype=tl.float32)
+    for i in range(NT):
+        n = NT - 1 - i
+        c = bh.to(tl.int64) * NT + n
+        q_c, _, kh, _, _, g, s, seg, sees, last, carry, row, _, mt = _load_keys(
+            q, k, beta, resets, b, h, n * BT, T, H, K, BT, BK, EFLA, HAS_RESETS)
+        do_c = _load_cols(do, row, mt, vb * BV, V, BV)
+        p = tl.load(ps + (c * BT + rt[:, None]) * BT + rt[None, :])
+        qk = tl.where(lower & (seg[:, None] == seg[None, :]), tl.dot(q_c, tl.trans(kh), input_precision=PREC), 0.0)
+        dd = tl.dot(tl.trans(qk), do_c, input_precision=PREC) + last[:, None] * tl.dot(kh, ds, input_precision=PREC)
+        dr = tl.dot(tl.trans(p), dd, input_precision=PREC)
+        tl.store(dsbuf + c * K * V + off_s, ds, mask=m_s)
+        tl.store(drbuf + (c * BT + rt[:, None]) * V + rv[None, :], dr, mask=(rv < V)[None, :])
+        tl.store(dv + row[:, None] * V + rv[None, :], (s[:, None] * dr).to(dv.dtype.element_ty),
+                 mask=mt[:, None] & (rv < V)[None, :])
+        ds = carry * ds + tl.dot(tl.trans(q_c), sees[:, None] * do_c, input_precision=PREC) \
+            - tl.dot(tl.trans(kh), (g * sees)[:, None] * dr, input_precision=PREC)
+    tl.store(dh0 + bh.to(tl.int64) * K * V + off_s, ds, mask=m_s)
+
+
+@triton.jit(do_not_specialize=["T", "NT"])
+def chunk_bwd_k_kernel(q, k, v, beta, resets, hs, dbuf, drbuf, dsbuf, do, dq, dk, dbeta, T, NT, H: tl.constexpr,
+                       K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                       EFLA: tl.constexpr, HAS_RESETS: tl.constexpr, PREC: tl.constexpr):
+    """Split backward, K side: one program per (sequence·head, chunk), all chunks in parallel (no recurrence).
+    From the saved S₀ (hs), D (dbuf), dR (drbuf) and exit dS (dsbuf) it sums over V in tiles of BV::
+
+        dQK = Lower(dO Dᵀ) ⊙ same,   dA = −StrictLower(dR Dᵀ) ⊙ same
+        dq  = dQK K̂ + diag(sees) dO S₀ᵀ
+        dk̂  = dQKᵀ Q + diag(last) D dSᵀ + (G dA + (G dA)ᵀ) K̂ − diag(g sees) dR S₀ᵀ    (G = diag(g))
+        dg  = rowsum(dA ⊙ K̂K̂ᵀ) − sees ⊙ rowsum(K̂ ⊙ dR S₀ᵀ),   dsv = rowsum(dR ⊙ V)
+
+    and chains (dk̂, dg, dsv) through the gate to dk and dβ. The products over V use ``PREC``; the small ones after
+    the loop (inner dim BT, and K̂K̂ᵀ) stay fp32 FMA: with tensor cores there, ptxas spilled 600-900 bytes at w4/w8
+    (sm_90, tf32x3), with FMA 0-60."""
+    bh = tl.program_id(0)
+    n = tl.program_id(1)
+    c = bh.to(tl.int64) * NT + n
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    q_c, k_c, kh, b_c, lam, g, s, seg, sees, last, carry, row, mqk, mt = _load_keys(
+        q, k, beta, resets, bh // H, bh % H, n * BT, T, H, K, BT, BK, EFLA, HAS_RESETS)
+    dqk = tl.zeros([BT, BT], dtype=tl.float32)
+    da = tl.zeros([BT, BT], dtype=tl.float32)
+    dos0 = tl.zeros([BT, BK], dtype=tl.float32)
+    drs0 = tl.zeros([BT, BK], dtype=tl.float32)
+    dds = tl.zeros([BT, BK], dtype=tl.float32)
+    dsv = tl.zeros([BT], dtype=tl.float32)
+    crow = c * BT + rt
+    for v0 in range(0, V, BV):
+        rv = v0 + tl.arange(0, BV)
+        m_s = (rk < K)[:, None] & (rv < V)[None, :]
+        off_s = c * K * V + rk[:, None] * V + rv[None, :]
+        do_c = _load_cols(do, row, mt, v0, V, BV)
+        v_c = _load_cols(v, row, mt, v0, V, BV)
+        d_c = _load_cols(dbuf, crow, mt, v0, V, BV)
+        dr_c = _load_cols(drbuf, crow, mt, v0, V, BV)
+        s0 = tl.load(hs + off_s, mask=m_s, other=0.0)
+        dsx = tl.load(dsbuf + off_s, mask=m_s, other=0.0)
+        dqk = tl.dot(do_c, tl.trans(d_c), dqk, input_precision=PREC)
+        da = tl.dot(dr_c, tl.trans(d_c), da, input_precision=PREC)
+        dos0 = tl.dot(do_c, tl.trans(s0), dos0, input_precision=PREC)
+        drs0 = tl.dot(dr_c, tl.trans(s0), drs0, input_precision=PREC)
+        dds = tl.dot(d_c, tl.trans(dsx), dds, input_precision=PREC)
+        dsv += tl.sum(dr_c * v_c, 1)
+    same = seg[:, None] == seg[None, :]
+    dqk = tl.where((rt[:, None] >= rt[None, :]) & same, dqk, 0.0)
+    da = tl.where((rt[:, None] > rt[None, :]) & same, -da, 0.0)
+    gs = g * sees
+    dq_c = tl.dot(dqk, kh, input_precision="ieee") + sees[:, None] * dos0
+    ga = g[:, None] * da
+    dkh = tl.dot(tl.trans(dqk), q_c, input_precision="ieee") + last[:, None] * dds - gs[:, None] * drs0 \
+        + tl.dot(ga + tl.trans(ga), kh, input_precision="ieee")
+    kk = tl.dot(kh, tl.trans(kh), input_precision="ieee")
+    dg = tl.sum(da * kk, 1) - sees * tl.sum(kh * drs0, 1)
+    dk_c, db_c = gate_bwd(k_c, kh, b_c, lam, dkh, dg, dsv, EFLA)
+    tl.store(dq + row[:, None] * K + rk[None, :], dq_c.to(dq.dtype.element_ty), mask=mqk)
+    tl.store(dk + row[:, None] * K + rk[None, :], dk_c.to(dk.dtype.element_ty), mask=mqk)
+    tl.store(dbeta + row, db_c.to(dbeta.dtype.element_ty), mask=mt)
 
 
 def _pow2(x: int, lo: int = 16) -> int:
     return max(lo, triton.next_power_of_2(x))
 
 
-# compiled kernels of the latest launches (for resource reports: ``.n_regs``, ``.n_spills``, ``.metadata.shared``)
+# compiled kernels of the latest launches, by role ("prep", "fwd", "bwd" (fused), "bwd_v", "bwd_k"), for resource
+# reports (``.n_regs``, ``.n_spills``, ``.metadata.shared``)
 LAST_COMPILED: dict = {}
+
+PRECISIONS = ("ieee", "tf32x3", "tf32")
 
 
 def default_config(T: int, K: int, V: int, B: int | None = None, H: int | None = None) -> dict:
-    """Chunk size, warps, forward mode and V block; measured on an H200 (docs/triton_notes.md)."""
+    """The launch config; every key can be overridden through ``chunk_triton(config=...)``:
+
+    - ``chunk_size`` ∈ {16, 32, 64}; ``mode`` ∈ {"inline", "prep"} (forward: P inside the walk, or by a first kernel);
+    - ``prec``: ``input_precision`` of every ``tl.dot``: "ieee" (fp32 FMA), "tf32x3" (3 TF32 tensor-core products,
+      ~fp32 accurate) or "tf32" (one, ~1e-3 relative error);
+    - ``block_v``: V block of the forward (a power of two ≥ 16; None or ≥ V: one block); ``block_v_bwd``: of the
+      backward (fused or V side), None = ``block_v``;
+    - ``num_warps`` (forward and prep), ``num_warps_bwd`` (fused backward or V side; None = ``num_warps``),
+      ``num_stages`` (all kernels);
+    - ``bwd`` ∈ {"fused", "split"}: one kernel per (sequence·head, V block) doing everything, or a V-side kernel
+      (reverse walk: dS, dR, dv, dS₀) then a K-side kernel per (sequence·head, chunk) (dq, dk, dβ), whose V tile is
+      ``kside_block_v``, warps ``kside_warps`` and dot precision ``kside_prec`` (None = ``prec``).
+    """
     bk, bv = _pow2(K), _pow2(V)
     # measured on an H200 at B8/B64 T256 H4 D64 (fwd+bwd, one V block): C16 3.6/7.4 ms, C32 5.1/10.0 ms,
     # C32 "prep" 4.9/9.9 ms; with V blocks (BV16/BV32) C32 stays slower than C16 (2.1 vs 0.47 ms at B8).
@@ -201,21 +336,42 @@ def default_config(T: int, K: int, V: int, B: int | None = None, H: int | None =
     if B is not None and H is not None and bv >= 32 and B * H * triton.cdiv(V, 32) >= 512:
         block_v = 32
     nw = 4 if bk * block_v <= 64 * 64 else 8
-    return dict(chunk_size=bt, num_warps=nw, num_stages=1, mode="inline", prec="ieee", block_v=block_v)
+    return dict(chunk_size=bt, num_warps=nw, num_stages=1, mode="inline", prec="ieee", block_v=block_v,
+                bwd="fused", block_v_bwd=None, num_warps_bwd=None, kside_block_v=32, kside_warps=4, kside_prec=None)
 
 
-def _block_v(cfg: dict, V: int) -> int:
-    """The V block: ``cfg["block_v"]`` (a power of two ≥ 16; None or ≥ V: the whole V, one block)."""
+def check_config(cfg: dict) -> dict:
+    """Reject unknown keys and values (a typo would otherwise silently time the default)."""
+    known = default_config(16, 16, 16)
+    bad = sorted(set(cfg) - set(known))
+    if bad:
+        raise ValueError(f"unknown config keys {bad}; valid: {sorted(known)}")
+    for key, valid in (("chunk_size", (16, 32, 64)), ("mode", ("inline", "prep")), ("prec", PRECISIONS),
+                       ("kside_prec", (None,) + PRECISIONS), ("bwd", ("fused", "split"))):
+        if cfg[key] not in valid:
+            raise ValueError(f"config {key}={cfg[key]!r}; valid: {valid}")
+    for key in ("block_v", "block_v_bwd", "kside_block_v"):
+        _block_v(cfg, 256, key)
+    return cfg
+
+
+def _block_v(cfg: dict, V: int, key: str = "block_v") -> int:
+    """The V block named by ``key`` (a power of two ≥ 16; None or ≥ V: the whole V, one block).
+    ``block_v_bwd=None`` falls back to ``block_v``."""
     bv = _pow2(V)
-    blk = cfg.get("block_v")
+    blk = cfg.get(key)
+    if key == "block_v_bwd" and blk is None:
+        blk = cfg.get("block_v")
     if blk is None or blk >= bv:
         return bv
     if blk < 16 or blk & (blk - 1):
-        raise ValueError(f"block_v must be a power of two >= 16, got {blk}")
+        raise ValueError(f"{key} must be a power of two >= 16, got {blk}")
     return blk
 
 
 def chunk_fwd(q, k, v, beta, resets, h0, *, efla: bool, save: bool, cfg: dict):
+    """Returns ``(o, final state, hs, ps, dbuf)``; with ``save`` the backward's inputs: chunk-entry states
+    ``hs [B·H, NT, K, V]``, ``ps [B·H, NT, BT, BT]`` and, for ``bwd="split"``, D ``dbuf [B·H, NT·BT, V]`` (else None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT, BK, BV = cfg["chunk_size"], _pow2(K), _block_v(cfg, V)
@@ -226,40 +382,57 @@ def chunk_fwd(q, k, v, beta, resets, h0, *, efla: bool, save: bool, cfg: dict):
     hs = torch.empty(B * H, NT, K, V, dtype=torch.float32, device=dev) if save else ht
     prep = cfg["mode"] == "prep"
     ps = torch.empty(B * H, NT, BT, BT, dtype=torch.float32, device=dev) if (save or prep) else ht
+    save_d = save and cfg["bwd"] == "split"
+    dbuf = torch.empty(B * H, NT * BT, V, dtype=torch.float32, device=dev) if save_d else None
     r = resets.view(torch.uint8) if resets is not None else q
-    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, EFLA=efla, HAS_RESETS=resets is not None, PREC=cfg["prec"])
+    common = dict(H=H, K=K, BT=BT, BK=BK, EFLA=efla, HAS_RESETS=resets is not None, PREC=cfg["prec"])
     launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if prep:
-        LAST_COMPILED["prep"] = chunk_prep_kernel[(B * H, NT)](k, v, beta, r, ps, T, NT, **common, **launch)
+        LAST_COMPILED["prep"] = chunk_prep_kernel[(B * H, NT)](k, beta, r, ps, T, NT, **common, **launch)
     LAST_COMPILED["fwd"] = chunk_fwd_kernel[(B * H, NV)](
-        q, k, v, beta, r, h0 if h0 is not None else ht, o, ht, hs, ps, T, NT, **common,
-        HAS_H0=h0 is not None, SAVE_STATES=save, LOAD_P=prep, SAVE_P=save and not prep, **launch)
-    return o, ht, hs, ps
+        q, k, v, beta, r, h0 if h0 is not None else ht, o, ht, hs, ps, dbuf if save_d else ht, T, NT, **common,
+        V=V, BV=BV, HAS_H0=h0 is not None, SAVE_STATES=save, LOAD_P=prep, SAVE_P=save and not prep, SAVE_D=save_d,
+        **launch)
+    return o, ht, hs, ps, dbuf
 
 
-def chunk_bwd(q, k, v, beta, resets, hs, ps, do, dht, *, efla: bool, cfg: dict):
+def chunk_bwd(q, k, v, beta, resets, hs, ps, dbuf, do, dht, *, efla: bool, cfg: dict):
+    """Gradients ``(dq, dk, dv, dβ, dS₀ fp32)`` from the forward's saved ``hs, ps`` (and ``dbuf`` when split)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
-    BT, BK, BV = cfg["chunk_size"], _pow2(K), _block_v(cfg, V)
+    BT, BK, BV = cfg["chunk_size"], _pow2(K), _block_v(cfg, V, "block_v_bwd")
     NT, NV = triton.cdiv(T, BT), triton.cdiv(V, BV)
-    N = B * T * H
     dev = q.device
     dv = torch.empty_like(v)
     dh0 = torch.empty(B, H, K, V, dtype=torch.float32, device=dev)
+    r = resets.view(torch.uint8) if resets is not None else q
+    do = do.contiguous()
+    if dht is not None:
+        dht = dht.float().contiguous()
+    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, EFLA=efla, HAS_RESETS=resets is not None, PREC=cfg["prec"])
+    launch = dict(num_warps=cfg["num_warps_bwd"] or cfg["num_warps"], num_stages=cfg["num_stages"])
+    if cfg["bwd"] == "split":
+        dq, dk, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta)
+        drbuf = torch.empty(B * H, NT * BT, V, dtype=torch.float32, device=dev)
+        dsbuf = torch.empty(B * H, NT, K, V, dtype=torch.float32, device=dev)
+        LAST_COMPILED["bwd_v"] = chunk_bwd_v_kernel[(B * H, NV)](
+            q, k, beta, r, ps, do, dht if dht is not None else dh0, dv, drbuf, dsbuf, dh0, T, NT, **common, BV=BV,
+            HAS_DHT=dht is not None, **launch)
+        LAST_COMPILED["bwd_k"] = chunk_bwd_k_kernel[(B * H, NT)](
+            q, k, v, beta, r, hs, dbuf, drbuf, dsbuf, do, dq, dk, dbeta, T, NT,
+            BV=_block_v(cfg, V, "kside_block_v"), **dict(common, PREC=cfg["kside_prec"] or cfg["prec"]),
+            num_warps=cfg["kside_warps"], num_stages=cfg["num_stages"])
+        return dq, dk, dv, dbeta, dh0
+    N = B * T * H
     if NV == 1:  # the kernel writes the final gradients
         dq, dk, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta)
         dq_p, dk_p, db_p, PS = dq, dk, dbeta, 0
     else:  # per-block fp32 partials of dq, dk, dβ in one buffer, summed over the blocks below
         part = torch.empty(NV, 2 * N * K + N, dtype=torch.float32, device=dev)
         dq_p, dk_p, db_p, PS = part, part[0, N * K:], part[0, 2 * N * K:], part.stride(0)
-    r = resets.view(torch.uint8) if resets is not None else q
-    do = do.contiguous()
-    if dht is not None:
-        dht = dht.float().contiguous()
     LAST_COMPILED["bwd"] = chunk_bwd_kernel[(B * H, NV)](
         q, k, v, beta, r, hs, ps, do, dht if dht is not None else dh0, dq_p, dk_p, dv, db_p, dh0, T, NT, PS,
-        H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, EFLA=efla, HAS_RESETS=resets is not None, HAS_DHT=dht is not None,
-        PREC=cfg["prec"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        **common, BV=BV, HAS_DHT=dht is not None, **launch)
     if NV > 1:
         red = part.sum(0)
         dq = red[: N * K].view(q.shape).to(q.dtype)
@@ -271,13 +444,13 @@ def chunk_bwd(q, k, v, beta, resets, hs, ps, do, dht, *, efla: bool, cfg: dict):
 class ChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, beta, h0, resets, efla, cfg):
-        o, ht, hs, ps = chunk_fwd(q, k, v, beta, resets, h0, efla=efla, save=True, cfg=cfg)
-        ctx.save_for_backward(q, k, v, beta, resets, hs, ps)
+        o, ht, hs, ps, dbuf = chunk_fwd(q, k, v, beta, resets, h0, efla=efla, save=True, cfg=cfg)
+        ctx.save_for_backward(q, k, v, beta, resets, hs, ps, dbuf)
         ctx.efla, ctx.cfg, ctx.h0_dtype = efla, cfg, (h0.dtype if h0 is not None else None)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, beta, resets, hs, ps = ctx.saved_tensors
-        dq, dk, dv, dbeta, dh0 = chunk_bwd(q, k, v, beta, resets, hs, ps, do, dht, efla=ctx.efla, cfg=ctx.cfg)
+        q, k, v, beta, resets, hs, ps, dbuf = ctx.saved_tensors
+        dq, dk, dv, dbeta, dh0 = chunk_bwd(q, k, v, beta, resets, hs, ps, dbuf, do, dht, efla=ctx.efla, cfg=ctx.cfg)
         return dq, dk, dv, dbeta, (dh0.to(ctx.h0_dtype) if ctx.h0_dtype is not None else None), None, None, None

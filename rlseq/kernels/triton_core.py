@@ -49,19 +49,18 @@ def gate_fwd(lam, beta, EFLA: tl.constexpr):
 
 
 @triton.jit
-def gate_bwd(k, kh, v, beta, lam, dkh, dg, dw, EFLA: tl.constexpr):
-    """Chain ``(dk̂ [C,K], dg [C], dw [C,V])`` back to ``(dk, dv, dβ)`` of the raw inputs (fp32 tiles)."""
+def gate_bwd(k, kh, beta, lam, dkh, dg, dsv, EFLA: tl.constexpr):
+    """Chain ``(dk̂ [C,K], dg [C], dsv [C])`` back to ``(dk [C,K], dβ [C])`` of the raw inputs (fp32 tiles), where
+    ``dsv = Σ_v dw·v`` is the gradient of the value scale ``s`` in ``w = s v`` (the caller forms ``dv = s dw``).
+    Linear in ``(dk̂, dg, dsv)``: partial sums over V blocks may be chained separately and added."""
     if EFLA:
         n0 = tl.sqrt(lam)
         unc = n0 >= _MIN_KEY_NORM
         n = tl.maximum(n0, _MIN_KEY_NORM)
         x = beta * lam
         ph, e = phi_exp(x)
-        s = beta * n * ph
-        dv = s[:, None] * dw
-        ds = tl.sum(dw * v, 1)
         # ∂g/∂β = λ e^{-x}, ∂s/∂β = n e^{-x}: both finite for every key norm
-        dbeta = (dg * lam + ds * n) * e
+        dbeta = (dg * lam + dsv * n) * e
         # k̂ = k / n: projected gradient when √λ is the norm, plain scaling where the norm is clamped
         proj = tl.sum(kh * dkh, 1)
         dk = tl.where(unc[:, None], (dkh - kh * proj[:, None]), dkh) / n[:, None]
@@ -69,12 +68,11 @@ def gate_bwd(k, kh, v, beta, lam, dkh, dg, dw, EFLA: tl.constexpr):
         dk += (2.0 * beta * e * dg)[:, None] * k
         cs = tl.where(unc, beta * (2.0 * e - ph), 0.0)
         cc = tl.where(unc, 0.0, -beta * beta * n)
-        dk += (ds * cs)[:, None] * kh + (ds * cc)[:, None] * k
+        dk += (dsv * cs)[:, None] * kh + (dsv * cc)[:, None] * k
     else:
-        dv = beta[:, None] * dw
-        dbeta = dg + tl.sum(dw * v, 1)
+        dbeta = dg + dsv
         dk = dkh
-    return dk, dv, dbeta
+    return dk, dbeta
 
 
 @triton.jit
