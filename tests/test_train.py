@@ -517,3 +517,36 @@ def test_bench_train_labels_the_speed_settings(capsys):
         bench_main(["train", "--variants", "sb3-ppo+bf16"])
     with pytest.raises(SystemExit, match="needs a GPU"):
         bench_main(["train", "--variants", "rlseq-none+graph", "--device", "cpu"])
+
+
+def test_acting_under_vectransposeimage_transposes_on_the_device_with_the_same_rollout():
+    """MemoryPPO steps the env under SB3's VecTransposeImage and transposes frames in the acting step; an
+    identity wrapper on top hides the transposer and gives the plain path: both rollouts must be identical."""
+    from stable_baselines3.common.vec_env import VecEnvWrapper, VecTransposeImage
+
+    from rlseq.envs import make_procgen
+
+    class Identity(VecEnvWrapper):
+        def reset(self):
+            return self.venv.reset()
+
+        def step_wait(self):
+            return self.venv.step_wait()
+
+    rollouts = []
+    for hide in (False, True):
+        env = VecTransposeImage(make_procgen("caveflyer", 4, seed=0, num_threads=0))
+        env = Identity(env) if hide else env
+        model = MemoryPPO("CnnPolicy", env, n_steps=24, n_minibatches=2, n_epochs=1, seed=0, device="cpu",
+                          policy_kwargs=dict(memory="efla", memory_kwargs=MEMORY_KWARGS["efla"]))
+        model.set_logger(configure(None, []))
+        _collect(model)
+        b = model.rollout_buffer
+        rollouts.append((b.observations.clone(), b.actions.clone(), b.values.clone(), b.rewards.clone(),
+                         b.episode_starts.clone(), model._last_obs.copy()))
+        model.env.close()
+    (fast, plain) = rollouts
+    assert fast[0].shape[2:] == (3, 64, 64)  # stored channel-first, as the policy reads them
+    for a, b in zip(fast[:5], plain[:5]):
+        assert torch.equal(a, b)
+    assert np.array_equal(fast[5], plain[5]) and fast[5].shape[1:] == (3, 64, 64)  # SB3's layout between rollouts

@@ -22,7 +22,7 @@ from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
 from stable_baselines3.common.utils import FloatSchedule, obs_as_tensor
-from stable_baselines3.common.vec_env import VecEnv
+from stable_baselines3.common.vec_env import VecEnv, VecTransposeImage
 
 from rlseq.algos.acting import ActingStep
 from rlseq.algos.buffer import SequenceRolloutBuffer
@@ -147,11 +147,17 @@ class MemoryPPO(PPO):
         t0 = time.perf_counter()
         if self._acting is None or self._acting.policy is not self.policy:
             self._acting = ActingStep(self.policy, cuda_graph=self.cuda_graph and self.device.type == "cuda")
+        # Step under SB3's VecTransposeImage: it transposes every frame on the CPU (~0.5 ms per 64 frames, ~10% of
+        # a GPU rollout); the acting step transposes on the device instead. Callbacks see channel-last frames.
+        transposer = env if isinstance(env, VecTransposeImage) and not env.skip else None
+        if transposer is not None:
+            env = transposer.venv
+        obs = _channels_last(self._last_obs, transposer)
         phase = self.phases
         for n_steps in range(n_rollout_steps):
             with phase("act"):
-                step = self._acting.step(self._last_obs, self._last_episode_starts, self._memory_state,
-                                         where=f"acting at env step {self.num_timesteps}")
+                step = self._acting.step(obs, self._last_episode_starts, self._memory_state,
+                                         where=f"acting at env step {self.num_timesteps}", hwc=transposer is not None)
             clipped = step.actions_np
             if isinstance(self.action_space, spaces.Box):
                 clipped = np.clip(clipped, self.action_space.low, self.action_space.high)
@@ -160,16 +166,18 @@ class MemoryPPO(PPO):
             self.num_timesteps += env.num_envs
             callback.update_locals(locals())
             if not callback.on_step():
+                self._last_obs = obs if transposer is None else transposer.transpose_observations(obs)
                 return False
             self._update_info_buffer(infos, dones)
             rewards = self._bootstrap_truncated(rewards, dones, infos)
             with phase("buffer"):
                 rollout_buffer.add(step.obs, step.actions, torch.as_tensor(rewards, device=self.device, dtype=torch.float32),
                                    step.episode_starts, step.values, step.log_probs)
-                self._last_obs, self._last_episode_starts = new_obs, dones
+                obs, self._last_episode_starts = new_obs, dones
+        self._last_obs = new_obs if transposer is None else transposer.transpose_observations(new_obs)
         starts = torch.as_tensor(dones, device=self.device).bool()
         with phase("act"), torch.no_grad():
-            last_values = self.policy.predict_values(obs_as_tensor(new_obs, self.device), self._memory_state, starts)
+            last_values = self.policy.predict_values(obs_as_tensor(self._last_obs, self.device), self._memory_state, starts)
         with phase("buffer"):
             rollout_buffer.compute_returns_and_advantage(last_values, starts)
         self.policy.memory.check_finite(self._memory_state, where=f"acting, rollout ending at env step {self.num_timesteps}")
@@ -295,3 +303,13 @@ class MemoryPPO(PPO):
         batch = self.rollout_buffer.batch(torch.arange(n, device=self.device))
         for name, value in self.policy.memory_diagnostics(batch.observations, batch.initial_state, batch.episode_starts).items():
             self.logger.record(f"memory/{name}", float(value))
+
+
+def _channels_last(obs: np.ndarray | dict[str, np.ndarray], transposer: VecTransposeImage | None):
+    """Undo ``transposer``'s CHW transpose of the image entries (once per rollout, for its first step)."""
+    if transposer is None:
+        return obs
+    if isinstance(obs, dict):
+        return {k: np.ascontiguousarray(np.moveaxis(v, 1, -1)) if k in transposer.image_space_keys else v
+                for k, v in obs.items()}
+    return np.ascontiguousarray(np.moveaxis(obs, 1, -1))
