@@ -246,23 +246,25 @@ def warm(device, i, n, configs, fla=True) -> None:
 
 # --- issue 3 candidates: named configs, checked and timed in one call (--candidates) -------------------------
 
-# overrides of triton_chunk.default_config; "default" is today's default (split backward, 3xTF32 dots)
+# overrides of triton_chunk.default_config; "default" is today's default (from D64: split backward, 3xTF32 dots;
+# below: the fused backward with FMA dots)
 CANDIDATES = {
     "default": {},
-    "fused-ieee": dict(bwd="fused", prec="ieee", kside_warps=4),  # the default before v3
+    "fused-ieee": dict(bwd="fused", prec="ieee", kside_warps=4),  # the default before v3 (and below D64 now)
     "fused-w8": dict(bwd="fused", prec="ieee", num_warps=8),
-    "fused-tf32x3": dict(bwd="fused"),
-    "fused-tf32x3-w8": dict(bwd="fused", num_warps=8),
+    "fused-tf32x3": dict(bwd="fused", prec="tf32x3"),
+    "fused-tf32x3-w8": dict(bwd="fused", prec="tf32x3", num_warps=8),
     "fused-tf32": dict(bwd="fused", prec="tf32", num_warps=8),  # over the fp32 budget (2.3e-3 on the H200): a speed bound
     # split backward with the K side in fp32 FMA at 8 warps (0 spills on sm_90), or all dots 3xTF32 (the default)
-    "split": dict(prec="ieee", num_warps=8),
-    "split-tf32x3": dict(kside_prec="ieee"),
-    "split-tf32x3-w8": dict(kside_prec="ieee", num_warps=8),
-    "split-tf32x3-bv32": dict(kside_prec="ieee", block_v=32, block_v_bwd=32, num_warps=8),
-    "split-tf32x3-bwd64": dict(kside_prec="ieee", block_v_bwd=64, num_warps_bwd=8),
-    "split-tf32x3-c16": dict(kside_prec="ieee", chunk_size=16),
-    "split-tf32x3-all-bv32": dict(block_v=32, block_v_bwd=32, num_warps=8),
-    "split-tf32": dict(prec="tf32"),
+    "split": dict(bwd="split", prec="ieee", num_warps=8),
+    "split-tf32x3": dict(bwd="split", prec="tf32x3", kside_prec="ieee"),
+    "split-tf32x3-w8": dict(bwd="split", prec="tf32x3", kside_prec="ieee", num_warps=8),
+    "split-tf32x3-bv32": dict(bwd="split", prec="tf32x3", kside_prec="ieee", block_v=32, block_v_bwd=32, num_warps=8),
+    "split-tf32x3-bwd64": dict(bwd="split", prec="tf32x3", kside_prec="ieee", block_v_bwd=64, num_warps_bwd=8),
+    "split-tf32x3-c16": dict(bwd="split", prec="tf32x3", kside_prec="ieee", chunk_size=16),
+    "split-tf32x3-all": dict(bwd="split", prec="tf32x3"),
+    "split-tf32x3-all-bv32": dict(bwd="split", prec="tf32x3", block_v=32, block_v_bwd=32, num_warps=8),
+    "split-tf32": dict(bwd="split", prec="tf32"),
 }
 TIME_SHAPES = [(8, 256, 4, 64), (64, 256, 4, 64), (8, 256, 4, 32), (64, 256, 4, 16), (16, 1024, 4, 64)]
 CHECK_DIMS = (64, 32)

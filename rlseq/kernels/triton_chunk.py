@@ -336,11 +336,13 @@ def default_config(T: int, K: int, V: int, B: int | None = None, H: int | None =
     if B is not None and H is not None and bv >= 32 and B * H * triton.cdiv(V, 32) >= 512:
         block_v = 32
     nw = 4 if bk * block_v <= 64 * 64 else 8
-    # split backward with 3xTF32 dots (fp32-accurate: ~3e-7 vs float64, as ieee): fwd+bwd on an H200 at
-    # B64 T256 H4 D64 0.86 ms vs 1.64 (fused, ieee), B16 T1024 1.49 vs 1.92; at B8 both ~0.5-0.8 ms (host-bound,
-    # noisy). docs/triton_notes.md, v3.
-    return dict(chunk_size=bt, num_warps=nw, num_stages=1, mode="inline", prec="tf32x3", block_v=block_v,
-                bwd="split", block_v_bwd=None, num_warps_bwd=None, kside_block_v=32, kside_warps=8, kside_prec=None)
+    # From D64: split backward with 3xTF32 dots (fp32-accurate: ~3e-7 vs float64, as ieee); fwd+bwd on an H200 at
+    # B64 T256 H4 D64 0.86 ms vs 1.64 (fused, ieee), B16 T1024 1.49 vs 1.92. Below, the fused FMA kernel measured
+    # as fast or faster (D32 B8 0.69 vs 0.76-0.81, D16 B64 0.51 vs 0.57-0.82). docs/triton_notes.md, v3.
+    big = bk * bv >= 64 * 64
+    return dict(chunk_size=bt, num_warps=nw, num_stages=1, mode="inline", prec="tf32x3" if big else "ieee",
+                block_v=block_v, bwd="split" if big else "fused", block_v_bwd=None, num_warps_bwd=None,
+                kside_block_v=32, kside_warps=8, kside_prec=None)
 
 
 def check_config(cfg: dict) -> dict:
