@@ -67,13 +67,14 @@ def test_the_caveflyer_scales_experiment_expands_to_36_runs_seed_major():
         assert r.folder == Path("runs") / "caveflyer" / f"{r.memory}-{r.condition}" / f"seed{r.seed}"
         assert r.argv == ["--env", "caveflyer", "--memory", r.memory, "--seed", str(r.seed), "--tag", r.condition,
                           "--logdir", "runs", "--total-steps", "5000000", "--tf32", "--checkpoint-every", "500000",
-                          *cond_flags[r.condition]]
+                          "--num-threads", "4", *cond_flags[r.condition]]
     # the argv is what the training CLI reads: the condition's values arrive in the resolved config
     from rlseq.train import build_parser, resolve
 
     cfg = resolve(build_parser().parse_args(next(r for r in runs if r.condition == "reward1e3").argv))
     assert cfg["reward_scale"] == 1000.0 and cfg["prev_action_reward"] is True and cfg["normalize_reward"] is False
     assert cfg["n_timesteps"] == 5_000_000 and cfg["checkpoint_every"] == 500_000
+    assert cfg["env_kwargs"]["num_threads"] == 4
     assert S.expand(spec, logdir="/elsewhere")[0].folder == Path("/elsewhere/caveflyer/efla-standard/seed0")
 
 
