@@ -76,15 +76,31 @@ def unit_key_scales(
     if rule == "deltanet":
         return None, beta, beta
     _, norm, x, ph = _efla_terms(k, beta)
-    return 1 / norm, x * ph, beta * norm * ph
+    if _needs_grad(k, beta):
+        return 1 / norm, x * ph, beta * norm * ph
+    return norm.reciprocal(), x.mul_(ph), (beta * norm).mul_(ph)  # kernels call this under no_grad: in place
+
+
+def _needs_grad(*ts: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
 
 
 def _efla_terms(k: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``λ = ‖k‖²``, the clamped norm ``n``, ``x = βλ`` and ``φ(x)``: what EFLA's gate and its gradient share."""
-    lam = (k * k).sum(-1)
-    norm = lam.clamp_min(MIN_KEY_NORM**2).sqrt()  # clamp before sqrt: its gradient at 0 is inf
+    """``λ = ‖k‖²``, the clamped norm ``n``, ``x = βλ`` and ``φ(x)``: what EFLA's gate and its gradient share.
+
+    Without autograd (the kernels' forward and backward) the same values to rounding in fewer, in-place passes,
+    which matter at RL shapes: ``n`` in one pass over ``k`` and ``φ`` without :class:`_Phi`."""
+    if _needs_grad(k, beta):
+        lam = (k * k).sum(-1)
+        norm = lam.clamp_min(MIN_KEY_NORM**2).sqrt()  # clamp before sqrt: its gradient at 0 is inf
+        x = beta * lam
+        return lam, norm, x, phi(x)
+    # φ = −expm1(−x)/x, where only x = 0 gives 0/0 (NaN), and φ(0) = 1
+    norm = torch.linalg.vector_norm(k, dim=-1)
+    lam = norm * norm
     x = beta * lam
-    return lam, norm, x, phi(x)
+    ph = torch.neg(x).expm1_().div_(x).neg_()
+    return lam, norm.clamp_min_(MIN_KEY_NORM), x, ph.nan_to_num_(1.0, math.inf, -math.inf)
 
 
 def unit_key_form(
