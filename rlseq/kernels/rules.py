@@ -95,12 +95,12 @@ def _efla_terms(k: torch.Tensor, beta: torch.Tensor) -> tuple[torch.Tensor, torc
         norm = lam.clamp_min(MIN_KEY_NORM**2).sqrt()  # clamp before sqrt: its gradient at 0 is inf
         x = beta * lam
         return lam, norm, x, phi(x)
-    # φ = −expm1(−x)/x, where only x = 0 gives 0/0 (NaN), and φ(0) = 1
+    # φ = −expm1(−x)/x, with φ(0) = 1 (0/0 there); NaN inputs stay NaN, as in _Phi
     norm = torch.linalg.vector_norm(k, dim=-1)
     lam = norm * norm
     x = beta * lam
-    ph = torch.neg(x).expm1_().div_(x).neg_()
-    return lam, norm.clamp_min_(MIN_KEY_NORM), x, ph.nan_to_num_(1.0, math.inf, -math.inf)
+    ph = torch.neg(x).expm1_().div_(x).neg_().masked_fill_(x == 0, 1.0)
+    return lam, norm.clamp_min_(MIN_KEY_NORM), x, ph
 
 
 def unit_key_form(

@@ -74,6 +74,32 @@ def _load_cols(x, row, mt, v0, V: tl.constexpr, BV: tl.constexpr):
     return tl.load(x + row[:, None] * V + rv[None, :], mask=m, other=0.0).to(tl.float32)
 
 
+@triton.jit
+def _vblock(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+            BV: tl.constexpr):
+    """This program's (sequence·head ``bh``, V block ``vb``), its ``b, h``, the ranges ``rt, rk, rv``, the mask and
+    offsets of its ``[BK, BV]`` state tile, and the causal mask ``[BT, BT]``."""
+    bh = tl.program_id(0)
+    vb = tl.program_id(1)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    rv = vb * BV + tl.arange(0, BV)
+    m_s = (rk < K)[:, None] & (rv < V)[None, :]
+    off_s = rk[:, None] * V + rv[None, :]
+    return bh, vb, bh // H, bh % H, rt, rk, rv, m_s, off_s, rt[:, None] >= rt[None, :]
+
+
+@triton.jit
+def _state_tile(ptr, bh, off_s, m_s, HAS: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr):
+    """This program's tile of a ``[B·H, K, V]`` state as fp32 ``[BK, BV]``, or zeros when there is none."""
+    if HAS:
+        tile = tl.load(ptr + bh.to(tl.int64) * K * V + off_s, mask=m_s, other=0.0).to(tl.float32)
+    else:
+        tile = tl.zeros([BK, BV], dtype=tl.float32)
+    return tile
+
+
 @triton.jit(do_not_specialize=["T", "NT"])
 def chunk_prep_kernel(k, beta, resets, ps, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                       BK: tl.constexpr, EFLA: tl.constexpr, HAS_RESETS: tl.constexpr, PREC: tl.constexpr):
@@ -95,20 +121,8 @@ def chunk_fwd_kernel(q, k, v, beta, resets, h0, o, ht, hs, ps, dbuf, T, NT, H: t
                      LOAD_P: tl.constexpr, SAVE_P: tl.constexpr, SAVE_D: tl.constexpr, PREC: tl.constexpr):
     """One program per (sequence·head, V block). Saves, when asked, the chunk-entry states ``hs [B·H, NT, K, V]``,
     P ``[B·H, NT, BT, BT]`` and D ``dbuf [B·H, NT·BT, V]`` (for the split backward)."""
-    bh = tl.program_id(0)
-    vb = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rt = tl.arange(0, BT)
-    rk = tl.arange(0, BK)
-    rv = vb * BV + tl.arange(0, BV)
-    m_s = (rk < K)[:, None] & (rv < V)[None, :]
-    off_s = rk[:, None] * V + rv[None, :]
-    lower = rt[:, None] >= rt[None, :]
-    if HAS_H0:
-        state = tl.load(h0 + bh.to(tl.int64) * K * V + off_s, mask=m_s, other=0.0).to(tl.float32)
-    else:
-        state = tl.zeros([BK, BV], dtype=tl.float32)
+    bh, vb, b, h, rt, rk, rv, m_s, off_s, lower = _vblock(H, K, V, BT, BK, BV)
+    state = _state_tile(h0, bh, off_s, m_s, HAS_H0, K, V, BK, BV)
     for n in range(NT):
         c = bh.to(tl.int64) * NT + n
         q_c, _, kh, _, _, g, s, seg, sees, last, carry, row, _, mt = _load_keys(
@@ -143,22 +157,10 @@ def chunk_bwd_kernel(q, k, v, beta, resets, hs, ps, do, dht, dq, dk, dv, dbeta, 
                      EFLA: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_DHT: tl.constexpr, PREC: tl.constexpr):
     """The fused backward: one program per (sequence·head, V block). dq, dk, dβ are this block's partials (the
     final gradients when there is one block), written at ``dq + vb·PS`` etc.; dv and dS₀ are exact per block."""
-    bh = tl.program_id(0)
-    vb = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rt = tl.arange(0, BT)
-    rk = tl.arange(0, BK)
-    rv = vb * BV + tl.arange(0, BV)
+    bh, vb, b, h, rt, rk, rv, m_s, off_s, lower = _vblock(H, K, V, BT, BK, BV)
     po = vb.to(tl.int64) * PS
-    m_s = (rk < K)[:, None] & (rv < V)[None, :]
-    off_s = rk[:, None] * V + rv[None, :]
-    lower = rt[:, None] >= rt[None, :]
     strict = rt[:, None] > rt[None, :]
-    if HAS_DHT:
-        ds = tl.load(dht + bh.to(tl.int64) * K * V + off_s, mask=m_s, other=0.0).to(tl.float32)
-    else:
-        ds = tl.zeros([BK, BV], dtype=tl.float32)
+    ds = _state_tile(dht, bh, off_s, m_s, HAS_DHT, K, V, BK, BV)
     for i in range(NT):
         n = NT - 1 - i
         c = bh.to(tl.int64) * NT + n
@@ -207,20 +209,8 @@ def chunk_bwd_v_kernel(q, k, beta, resets, ps, do, dht, dv, drbuf, dsbuf, dh0, T
     columns of dS on chip. Per chunk: ``dD = (Lower(QK̂ᵀ) ⊙ same)ᵀ dO + diag(last) K̂ dS``, ``dR = Pᵀ dD``,
     ``dv = s dR`` (exact), and it saves ``dR → drbuf [B·H, NT·BT, V]`` and the chunk's exit ``dS → dsbuf
     [B·H, NT, K, V]`` for the K side, before ``dS ← carry dS + Qᵀ diag(sees) dO − K̂ᵀ diag(g sees) dR``."""
-    bh = tl.program_id(0)
-    vb = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    rt = tl.arange(0, BT)
-    rk = tl.arange(0, BK)
-    rv = vb * BV + tl.arange(0, BV)
-    m_s = (rk < K)[:, None] & (rv < V)[None, :]
-    off_s = rk[:, None] * V + rv[None, :]
-    lower = rt[:, None] >= rt[None, :]
-    if HAS_DHT:
-        ds = tl.load(dht + bh.to(tl.int64) * K * V + off_s, mask=m_s, other=0.0).to(tl.float32)
-    else:
-        ds = tl.zeros([BK, BV], dtype=tl.float32)
+    bh, vb, b, h, rt, rk, rv, m_s, off_s, lower = _vblock(H, K, V, BT, BK, BV)
+    ds = _state_tile(dht, bh, off_s, m_s, HAS_DHT, K, V, BK, BV)
     for i in range(NT):
         n = NT - 1 - i
         c = bh.to(tl.int64) * NT + n

@@ -203,9 +203,14 @@ class MemoryPPOPolicy(BasePolicy):
         # the memory's kernels and the heads expect fp32
         return features.float()
 
-    def _heads(self, memory_out: torch.Tensor) -> tuple[Distribution, torch.Tensor]:
+    def _head_outputs(self, memory_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``memory_out [N, F]`` → the action distribution's parameters and the values ``[N]``."""
         latent = self.trunk(memory_out)
-        return self._distribution(self.action_net(latent)), self.value_net(latent).squeeze(-1)
+        return self.action_net(latent), self.value_net(latent).squeeze(-1)
+
+    def _heads(self, memory_out: torch.Tensor) -> tuple[Distribution, torch.Tensor]:
+        mean_actions, values = self._head_outputs(memory_out)
+        return self._distribution(mean_actions), values
 
     def _distribution(self, mean_actions: torch.Tensor) -> Distribution:
         if hasattr(self, "log_std"):
@@ -237,8 +242,7 @@ class MemoryPPOPolicy(BasePolicy):
         must check ``finite`` and raise. Distribution argument validation (a host sync) is off here. Finite steps
         compute exactly what :meth:`forward` computes.
         """
-        latent = self.trunk(self.memory.step(self.features(obs), state, episode_starts))
-        mean_actions, values = self.action_net(latent), self.value_net(latent).squeeze(-1)
+        mean_actions, values = self._head_outputs(self.memory.step(self.features(obs), state, episode_starts))
         finite = torch.isfinite(mean_actions).all() & torch.isfinite(values).all()
         if hasattr(self, "log_std"):
             finite = finite & torch.isfinite(self.log_std).all()
