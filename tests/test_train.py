@@ -91,6 +91,50 @@ def test_buffer_stores_the_memory_state_once_per_rollout():
     assert buf.nbytes() - obs_bytes < 4 * per_env_state * 4 + 32 * 4 * 8 * 8
 
 
+def test_buffer_copies_run_while_the_env_steps_and_rewards_land_on_their_step():
+    from stable_baselines3.common.vec_env import VecEnvWrapper
+
+    class Recorder(VecEnvWrapper):
+        """Records each step's rewards and the buffer's fill state while the env is stepping."""
+
+        def __init__(self, venv):
+            super().__init__(venv)
+            self.rewards, self.pending = [], []
+
+        def reset(self):
+            return self.venv.reset()
+
+        def step_wait(self):
+            buf = model.rollout_buffer
+            self.pending.append((buf.pos, buf.rewards_pos))
+            obs, rewards, dones, infos = self.venv.step_wait()
+            # rewards of steps that ended by the time limit get a bootstrap added later: make them visible here
+            self.rewards.append((rewards.copy(), [i.get("TimeLimit.truncated", False) for i in infos]))
+            return obs, rewards, dones, infos
+
+    model = _cartpole_model("efla", n_envs=4, n_steps=40)
+    model.env = Recorder(model.env)
+    _collect(model)
+    env, buf = model.env, model.rollout_buffer
+    # at every step_wait the step's observations and actions are stored and its reward is not
+    assert env.pending == [(t + 1, t) for t in range(40)]
+    assert buf.full and buf.pos == buf.rewards_pos == 40
+    got = buf.rewards.numpy()
+    for t, (r, truncated) in enumerate(env.rewards):
+        for i in range(4):
+            if not truncated[i]:
+                assert got[t, i] == pytest.approx(r[i])
+    # the order is enforced
+    buf.reset(model._memory_state)
+    step = (buf.observations[0], buf.actions[0], buf.episode_starts[0], buf.values[0], buf.log_probs[0])
+    with pytest.raises(RuntimeError, match="must follow add_step"):
+        buf.add_rewards(buf.rewards[0])
+    buf.add_step(*step)
+    with pytest.raises(RuntimeError, match="has no reward yet"):
+        buf.add_step(*step)
+    assert not buf.full
+
+
 def test_save_load_predict_roundtrip(tmp_path):
     model = _cartpole_model("efla", n_envs=2, n_steps=16)
     model.learn(64)

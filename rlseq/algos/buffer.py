@@ -40,7 +40,8 @@ class SequenceRolloutBuffer:
         self.n_steps, self.n_envs = n_steps, n_envs
         self.observation_space, self.action_space = observation_space, action_space
         self.device, self.gamma, self.gae_lambda = torch.device(device), gamma, gae_lambda
-        self.pos = 0
+        self.pos = 0  # steps stored by add_step
+        self.rewards_pos = 0  # steps whose reward is stored too
         self.observations: torch.Tensor | dict[str, torch.Tensor] | None = None
         self.initial_state: torch.Tensor | None = None
         z = lambda dtype=torch.float32: torch.zeros(n_steps, n_envs, dtype=dtype, device=self.device)  # noqa: E731
@@ -55,6 +56,7 @@ class SequenceRolloutBuffer:
     def reset(self, initial_state: torch.Tensor) -> None:
         """Start a rollout from the memory ``initial_state [n_envs, ...]`` (copied)."""
         self.pos = 0
+        self.rewards_pos = 0
         self.initial_state = initial_state.detach().clone()
 
     def _obs_storage(self, obs: torch.Tensor) -> torch.Tensor:
@@ -62,9 +64,19 @@ class SequenceRolloutBuffer:
 
     def add(self, obs: torch.Tensor | dict[str, torch.Tensor], actions: torch.Tensor, rewards: torch.Tensor,
             episode_starts: torch.Tensor, values: torch.Tensor, log_probs: torch.Tensor) -> None:
-        """Store one step for all envs; tensors are ``[n_envs, ...]``."""
+        """Store one step for all envs; tensors are ``[n_envs, ...]``. Same as :meth:`add_step` then
+        :meth:`add_rewards`."""
+        self.add_step(obs, actions, episode_starts, values, log_probs)
+        self.add_rewards(rewards)
+
+    def add_step(self, obs: torch.Tensor | dict[str, torch.Tensor], actions: torch.Tensor,
+                 episode_starts: torch.Tensor, values: torch.Tensor, log_probs: torch.Tensor) -> None:
+        """Store what the acting step knows (``[n_envs, ...]`` each). Its reward follows with :meth:`add_rewards`,
+        so these copies can run while the env steps."""
         if self.pos >= self.n_steps:
             raise RuntimeError(f"the rollout buffer holds {self.n_steps} steps; call reset() first")
+        if self.rewards_pos != self.pos:
+            raise RuntimeError(f"step {self.rewards_pos} has no reward yet: call add_rewards() before the next add_step()")
         if isinstance(obs, dict):
             if self.observations is None:
                 self.observations = {k: self._obs_storage(v) for k, v in obs.items()}
@@ -75,15 +87,21 @@ class SequenceRolloutBuffer:
                 self.observations = self._obs_storage(obs)
             self.observations[self.pos].copy_(obs)
         self.actions[self.pos].copy_(actions.reshape(self.actions[self.pos].shape))
-        self.rewards[self.pos].copy_(rewards)
         self.episode_starts[self.pos].copy_(episode_starts)
         self.values[self.pos].copy_(values)
         self.log_probs[self.pos].copy_(log_probs)
         self.pos += 1
 
+    def add_rewards(self, rewards: torch.Tensor) -> None:
+        """The rewards ``[n_envs]`` of the step stored last by :meth:`add_step`."""
+        if self.rewards_pos != self.pos - 1:
+            raise RuntimeError("add_rewards() must follow add_step(), once per step")
+        self.rewards[self.rewards_pos].copy_(rewards)
+        self.rewards_pos += 1
+
     @property
     def full(self) -> bool:
-        return self.pos == self.n_steps
+        return self.rewards_pos == self.n_steps
 
     @torch.no_grad()
     def compute_returns_and_advantage(self, last_values: torch.Tensor, dones: torch.Tensor) -> None:

@@ -162,7 +162,11 @@ class MemoryPPO(PPO):
             if isinstance(self.action_space, spaces.Box):
                 clipped = np.clip(clipped, self.action_space.low, self.action_space.high)
             with phase("env"):
-                new_obs, rewards, dones, infos = env.step(clipped)
+                env.step_async(clipped)  # procgen steps on its own threads from here until step_wait
+            with phase("buffer"):
+                rollout_buffer.add_step(step.obs, step.actions, step.episode_starts, step.values, step.log_probs)
+            with phase("env"):
+                new_obs, rewards, dones, infos = env.step_wait()
             self.num_timesteps += env.num_envs
             callback.update_locals(locals())
             if not callback.on_step():
@@ -171,8 +175,7 @@ class MemoryPPO(PPO):
             self._update_info_buffer(infos, dones)
             rewards = self._bootstrap_truncated(rewards, dones, infos)
             with phase("buffer"):
-                rollout_buffer.add(step.obs, step.actions, torch.as_tensor(rewards, device=self.device, dtype=torch.float32),
-                                   step.episode_starts, step.values, step.log_probs)
+                rollout_buffer.add_rewards(torch.as_tensor(rewards, device=self.device, dtype=torch.float32))
                 obs, self._last_episode_starts = new_obs, dones
         self._last_obs = new_obs if transposer is None else transposer.transpose_observations(new_obs)
         starts = torch.as_tensor(dones, device=self.device).bool()
