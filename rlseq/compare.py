@@ -388,7 +388,6 @@ def relative_to_baseline(finals: pd.DataFrame, baseline: str, *, reps: int = 200
     from scipy.stats import f as f_dist
 
     library, metrics = _rliable()
-    rng = np.random.default_rng(seed)
     rows = []
     for (env, variant), g in finals.groupby(["env", "variant"], sort=True):
         base = f"{baseline}-{_tag(variant)}" if _tag(variant) else baseline
@@ -408,6 +407,7 @@ def relative_to_baseline(finals: pd.DataFrame, baseline: str, *, reps: int = 200
             dfs = (len(x) - 1, len(y) - 1)
             row["std_ci_low"] = r / math.sqrt(f_dist.ppf(0.975, *dfs))
             row["std_ci_high"] = r / math.sqrt(f_dist.ppf(0.025, *dfs))
+            rng = np.random.default_rng(seed)  # per pair: a row does not depend on which other runs are loaded
             bx = x[rng.integers(0, len(x), (reps, len(x)))]
             by = y[rng.integers(0, len(y), (reps, len(y)))]
             with np.errstate(divide="ignore", invalid="ignore"):

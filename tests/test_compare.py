@@ -275,6 +275,15 @@ def test_relative_to_baseline_pairs_variants_by_tag() -> None:
     assert r["p_improve"] == pytest.approx(p) and r["p_ci_low"] <= p <= r["p_ci_high"]
     one = rel.loc["efla"]  # one seed against two: ratios but no CIs
     assert one["mean_ratio"] == pytest.approx(4.0 / 1.5) and math.isnan(one["ratio_ci_low"])
+    # a row's CIs do not depend on the other runs in the report
+    # (six seeds each, so that different bootstrap draws give different percentiles)
+    x6, y6 = [1.0, 2.5, 6.0, 3.2, 4.1, 0.7], [2.0, 2.2, 5.0, 3.9, 1.1, 2.8]
+    alone = compare.relative_to_baseline(_finals({"efla-r": x6, "deltanet-r": y6}), "deltanet", reps=500)
+    crowded = compare.relative_to_baseline(  # efla-a is compared first and draws its own bootstrap
+        _finals({"efla-a": [1.0, 4.0, 2.0], "deltanet-a": [2.0, 3.0], "efla-r": x6, "deltanet-r": y6}), "deltanet",
+        reps=500)
+    cols = ["ratio_ci_low", "ratio_ci_high", "p_ci_low", "p_ci_high"]
+    assert crowded.set_index("variant").loc["efla-r", cols].tolist() == alone.set_index("variant").loc["efla-r", cols].tolist()
 
 
 def test_diagnostics_summary_peaks_and_tail() -> None:
