@@ -8,6 +8,7 @@ A crash at any moment leaves either the previous or the new checkpoint, never a 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -30,6 +31,43 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+LOCK_NAME = ".lock"
+
+
+class RunFolderBusy(RuntimeError):
+    """Another live process trains into the same run folder."""
+
+
+@contextlib.contextmanager
+def run_folder_lock(folder: Path):
+    """Hold an exclusive lock on ``folder`` (a run folder) while the block runs.
+
+    Two processes training into one folder would interleave their checkpoints and event files, so the second
+    one fails at once with the first one's pid. The lock is ``flock`` on ``folder/.lock``: the kernel drops it
+    when the holder exits, however it exits (SIGKILL included), so a dead run never blocks its own resume.
+    On systems without ``fcntl`` (Windows) no lock is taken.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on POSIX
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            raise RunFolderBusy(f"run folder {folder} is in use by another training process (pid {holder}); "
+                                "wait for it to end or stop it, then --resume") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def rng_state() -> dict[str, Any]:

@@ -29,7 +29,10 @@ Parallelism: ``--runs-per-gpu`` processes on each GPU of ``--gpus`` (each pinned
 state that turned NaN, which the trainer reports with where it arose) is recorded as failed with the end
 of its log and is not retried: a divergence is a result. SIGINT or SIGTERM to the sweep is passed on to the
 running processes and starts no new one; the runs it stops are recorded as ``stopped`` and resume from their
-last checkpoint the next time the sweep is started. ``<logdir>/sweep-<name>.json`` holds the state of every
+last checkpoint the next time the sweep is started. A sweep killed outright (SIGKILL) cannot pass anything
+on; on Linux its training processes then get SIGTERM from the kernel. Every training process locks its run
+folder, so a second sweep (or a stray process) never writes into a run that is training: that run fails at
+once with the holder's pid. ``<logdir>/sweep-<name>.json`` holds the state of every
 run and is rewritten atomically whenever one starts or ends. The exit code is 0 when every run of the grid
 (or of ``--only``) finished, 1 when one failed or was stopped, 2 for a bad sweep file or flag.
 """
@@ -235,6 +238,15 @@ def _tail(path: Path, n: int = 15) -> list[str]:
         return []
 
 
+def _stop_with_parent() -> None:
+    """In a training process, before exec (Linux): get SIGTERM when the sweep dies, even by SIGKILL, so no
+    orphan keeps training into a folder that the next sweep resumes (its run-folder lock would refuse it)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def execute(runs: list[Run], slots: list[str | None], *, status_path: Path, spec_name: str,
             threads_per_run: int | None = None, poll_s: float = 0.5) -> int:
     """Run the pending runs on ``slots`` (one process each); returns the number of failed runs.
@@ -285,7 +297,8 @@ def execute(runs: list[Run], slots: list[str | None], *, status_path: Path, spec
                 with open(run.folder / "train.log", "a") as log:
                     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
                     log.flush()
-                    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+                    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            preexec_fn=_stop_with_parent if sys.platform == "linux" else None)
                 run.state, run.gpu, run.started = "running", slot, time.time()
                 active[proc] = (run, slot)
                 if stopping:  # the signal came between Popen and here

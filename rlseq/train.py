@@ -225,14 +225,10 @@ def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | No
 
 
 def train(args: argparse.Namespace) -> Path:
-    """Resolve, build and train; returns the run folder."""
+    """Resolve, build and train; returns the run folder. The run folder is locked while it trains."""
     import torch
-    from stable_baselines3.common.callbacks import CallbackList
-    from stable_baselines3.common.logger import configure
 
-    from rlseq.callbacks import ProgressEstimate
-    from rlseq.checkpoint import CheckpointCallback, latest_checkpoint, load_vecnormalize, save_checkpoint, set_rng_state
-    from rlseq.envs import ScaledReturnLogger
+    from rlseq.checkpoint import RunFolderBusy, run_folder_lock
 
     cfg = resolve(args)
     cfg["verbose"] = args.verbose
@@ -241,16 +237,36 @@ def train(args: argparse.Namespace) -> Path:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     cfg["cuda_graph"] = cfg["cuda_graph"] and torch.device(device).type == "cuda"  # recorded as it runs
     folder = run_dir(args.logdir, cfg)
-    ckpt_root = folder / "checkpoints"
     if (folder / "final_model.zip").exists():
         print(f"{folder} is finished already (final_model.zip exists); nothing to do")
         return folder
+    try:
+        with run_folder_lock(folder):
+            return _train_locked(args, cfg, folder, device)
+    except RunFolderBusy as e:
+        raise UsageError(str(e)) from None
+
+
+def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, device: str) -> Path:
+    """:func:`train` once it holds the run folder's lock."""
+    import torch
+    from stable_baselines3.common.callbacks import CallbackList
+    from stable_baselines3.common.logger import configure
+
+    from rlseq.callbacks import ProgressEstimate
+    from rlseq.checkpoint import (LOCK_NAME, CheckpointCallback, latest_checkpoint, load_vecnormalize, save_checkpoint,
+                                  set_rng_state)
+    from rlseq.envs import ScaledReturnLogger
+
+    ckpt_root = folder / "checkpoints"
+    if (folder / "final_model.zip").exists():  # again: another process may have finished it while we waited
+        print(f"{folder} is finished already (final_model.zip exists); nothing to do")
+        return folder
     latest = latest_checkpoint(ckpt_root)
-    if folder.exists() and any(folder.iterdir()) and not args.resume:
+    if any(p.name != LOCK_NAME for p in folder.iterdir()) and not args.resume:
         raise UsageError(f"run folder {folder} exists; pass --resume to continue it, or another --seed/--tag/--logdir")
     if args.resume and latest is None and folder.exists() and any(folder.glob("events.out.tfevents.*")):
         print(f"{folder} has no checkpoint yet: starting it again from step 0", flush=True)
-    folder.mkdir(parents=True, exist_ok=True)
 
     env = make_env({**cfg, "normalize_reward": cfg.get("normalize_reward") and latest is None}, seed=cfg["seed"])
     if latest is not None and args.resume:

@@ -244,3 +244,44 @@ def test_a_failed_run_is_recorded_with_its_log_and_the_others_still_run(tmp_path
     assert ok["started"] >= broken["started"] + broken["seconds"]
     assert not (Path(broken["folder"]) / "final_model.zip").exists()
     assert (Path(ok["folder"]) / "final_model.zip").exists()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's prctl")
+def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
+    from rlseq.checkpoint import LOCK_NAME, run_folder_lock
+
+    path = _sweep_file(tmp_path, flags={"total_steps": 1_000_000, **TINY})
+    run = tmp_path / "runs" / "caveflyer" / "efla-tiny" / "seed0"
+    sweep = subprocess.Popen([sys.executable, "-m", "rlseq.sweep", *_cpu(path)], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, env=dict(os.environ))
+    pid = None
+    try:
+        lock = run / LOCK_NAME
+        deadline = time.time() + 180
+        while time.time() < deadline and not (lock.exists() and lock.read_text().strip()):  # its pid, once it trains
+            time.sleep(0.05)
+        assert lock.exists() and lock.read_text().strip(), "the training process did not start within 180 s"
+        pid = int(lock.read_text())
+        assert pid != sweep.pid and _alive(pid)
+        sweep.kill()  # SIGKILL: the sweep cannot pass anything on
+        sweep.wait()
+        deadline = time.time() + 60
+        while time.time() < deadline and _alive(pid):
+            time.sleep(0.1)
+        assert not _alive(pid), "the training process outlived its sweep"
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait()
+        if pid is not None and _alive(pid):  # a failed check must not leave it training
+            os.kill(pid, signal.SIGKILL)
+    with run_folder_lock(run):  # and its folder is free for the next sweep
+        pass

@@ -592,3 +592,23 @@ def test_acting_under_vectransposeimage_transposes_on_the_device_with_the_same_r
     for a, b in zip(fast[:5], plain[:5]):
         assert torch.equal(a, b)
     assert np.array_equal(fast[5], plain[5]) and fast[5].shape[1:] == (3, 64, 64)  # SB3's layout between rollouts
+
+
+def test_a_run_folder_in_use_is_refused_and_free_again_once_its_holder_ends(tmp_path, capsys, monkeypatch):
+    import rlseq.train as T
+    from rlseq.checkpoint import LOCK_NAME, run_folder_lock
+
+    folder = tmp_path / "caveflyer" / "efla" / "seed5"
+    argv = ["--env", "caveflyer", "--memory", "efla", "--total-steps", "32", "--seed", "5", "--logdir", str(tmp_path),
+            "--no-progress-bar", *TINY]
+    build = T.make_env
+    monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built for a folder in use"))
+    with run_folder_lock(folder):  # stands for another training process
+        for extra in ([], ["--resume"]):
+            with pytest.raises(SystemExit) as e:
+                train_main(argv + extra)
+            assert e.value.code == 2
+            assert f"run folder {folder} is in use by another training process (pid {os.getpid()})" in capsys.readouterr().err
+    monkeypatch.setattr(T, "make_env", build)
+    train_main(argv)  # a folder holding only the released lock is a fresh run, not "exists; pass --resume"
+    assert (folder / "final_model.zip").exists() and (folder / LOCK_NAME).exists()
