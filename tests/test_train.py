@@ -553,12 +553,49 @@ def test_bench_train_labels_the_speed_settings(capsys):
                 "--device", "cpu"])
     out = capsys.readouterr().out
     assert "| variant (TF32 off, CNN fp32, Adam unfused, acting eager, CNN layout NCHW) |" in out
+    assert "timing: round-robin, one rollout per variant per round" in out
     assert "| rlseq-none+bf16+fused+nhwc |" in out
     assert "rlseq-none+bf16+fused+nhwc (TF32 off, CNN bf16, Adam fused, acting eager, CNN layout NHWC)" in out
     with pytest.raises(SystemExit):
         bench_main(["train", "--variants", "sb3-ppo+bf16"])
     with pytest.raises(SystemExit, match="needs a GPU"):
         bench_main(["train", "--variants", "rlseq-none+graph", "--device", "cpu"])
+
+
+def test_bench_train_times_round_robin_and_takes_ratios_against_none_with_the_same_options(capsys, monkeypatch):
+    import rlseq.bench.train as BT
+
+    order = []
+    timed = BT._Bench.timed
+    monkeypatch.setattr(BT._Bench, "timed", lambda self, n: (order.append((self.variant, n)), timed(self, n)))
+    tiny = ["--n-envs", "2", "--n-steps", "8", "--n-minibatches", "2", "--n-epochs", "1", "--num-threads", "0",
+            "--warmup", "1", "--device", "cpu"]
+    variants = ["rlseq-none+fused", "rlseq-efla+fused", "rlseq-efla"]
+    BT.main(_bench_args(BT, variants, tiny))
+    out = capsys.readouterr().out
+    # two rounds, one rollout per variant each, the round's first variant rotating
+    assert order == [(variants[0], 1), (variants[1], 1), (variants[2], 1), (variants[1], 1), (variants[2], 1),
+                     (variants[0], 1)]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in out.splitlines()
+            if line.startswith("| rlseq-") and line.count("|") == 5}  # the speed table, not the phase shares
+    speed = {v: float(rows[v][0].replace(",", "")) for v in variants}
+    assert rows["rlseq-none+fused"][1].strip() == "1.00x"
+    ratio = float(rows["rlseq-efla+fused"][1].strip().rstrip("x"))
+    assert ratio == pytest.approx(speed["rlseq-efla+fused"] / speed["rlseq-none+fused"], abs=0.01)
+    assert rows["rlseq-efla"][1].strip() == "n/a"  # no rlseq-none with the same (no) options in the call
+
+    order.clear()
+    BT.main(_bench_args(BT, variants[:2], tiny + ["--sequential"]))
+    assert order == [(variants[0], 2), (variants[1], 2)]
+    assert "timing: one variant after the other" in capsys.readouterr().out
+
+
+def _bench_args(BT, variants: list[str], extra: list[str]):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    BT.add_arguments(parser)
+    return parser.parse_args(["--variants", *variants, "--rollouts", "2", *extra])
 
 
 def test_acting_under_vectransposeimage_transposes_on_the_device_with_the_same_rollout():

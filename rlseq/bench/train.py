@@ -2,8 +2,12 @@
 
 Each variant trains on the same procgen env and configuration (``configs/procgen.yml`` unless overridden):
 after ``--warmup`` rollouts (compilation, allocator, procgen start-up), ``--rollouts`` rollouts are timed,
-each a full collect + update, with the phase timer off. For rlseq's MemoryPPO one more rollout is then run
-with the phase timer on (it synchronises the device at each phase boundary) to give the breakdown.
+each a full collect + update, with the phase timer off. The variants are built and warmed up first, then
+timed round-robin, one rollout each per round, the first variant of a round rotating, so that every variant
+sees the same machine state (a host's speed drifts by ~10% between minutes; ``--sequential`` times one
+variant after the other instead). For rlseq's MemoryPPO one more rollout is then run with the phase timer
+on (it synchronises the device at each phase boundary) to give the breakdown. Ratios are taken against
+``rlseq-none`` with the same ``+`` options, and against plain ``sb3-lstm``, when those are in the call.
 
 Variants: ``rlseq-none``, ``rlseq-efla``, ``rlseq-deltanet``, ``rlseq-lstm`` (MemoryPPO), ``sb3-lstm``
 (stock sb3-contrib RecurrentPPO with ``CnnLstmPolicy``) and ``sb3-ppo`` (stock SB3 PPO with ``CnnPolicy``).
@@ -45,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-threads", type=int, default=None, help="procgen threads")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rollouts first")
     parser.add_argument("--rollouts", type=int, default=2, help="timed rollouts")
+    parser.add_argument("--sequential", action="store_true",
+                        help="time each variant's rollouts in one block, one variant after the other")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--tf32", action="store_true", help="allow TF32 convolutions and matmuls for every variant")
@@ -98,14 +104,18 @@ def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None
     return resolve(build_parser().parse_args(argv))
 
 
+def _apply_switches(variant: str, args: argparse.Namespace) -> None:
+    """Set the process-wide TF32 switches of ``variant`` (read when kernels run: before it builds or runs)."""
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = settings(variant, args)["tf32"]
+
+
 def _build(variant: str, args: argparse.Namespace, device: str):
     from stable_baselines3.common.logger import configure
 
     from rlseq.train import build_model, make_env, ppo_kwargs
 
     speed = settings(variant, args)
-    # a process-wide switch, read when kernels run: set per variant, before it builds or runs anything
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = speed["tf32"]
+    _apply_switches(variant, args)
     variant = variant.split("+")[0]
     if variant.startswith("rlseq-"):
         cfg = _config(args, variant.split("-", 1)[1], "rlseq", speed)
@@ -136,33 +146,76 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def measure(variant: str, args: argparse.Namespace, device: str) -> dict:
-    """Env-steps/s over ``args.rollouts`` timed rollouts (+ the phase breakdown for rlseq variants)."""
-    model, cfg = _build(variant, args, device)
-    per_rollout = cfg["n_envs"] * cfg["n_steps"]
-    model.learn(args.warmup * per_rollout)
-    _sync(device)
-    t0 = time.perf_counter()
-    model.learn(args.rollouts * per_rollout, reset_num_timesteps=False)
-    _sync(device)
-    seconds = time.perf_counter() - t0
-    out = {"variant": variant, "steps_per_s": args.rollouts * per_rollout / seconds, "seconds": seconds}
-    if hasattr(model, "phases"):
-        model.phases.enabled = True
-        model.phases.reset()
-        t1 = time.perf_counter()
-        model.learn(per_rollout, reset_num_timesteps=False)
+class _Bench:
+    """One variant's model, warmed up, and the time of its timed rollouts so far."""
+
+    def __init__(self, variant: str, args: argparse.Namespace, device: str) -> None:
+        self.variant, self.args, self.device = variant, args, device
+        self.model, cfg = _build(variant, args, device)
+        self.per_rollout = cfg["n_envs"] * cfg["n_steps"]
+        self.seconds, self.rollouts = 0.0, 0
+        self.model.learn(args.warmup * self.per_rollout)
         _sync(device)
-        total = time.perf_counter() - t1
-        phases = dict(model.phases.totals)
-        phases["other"] = max(0.0, total - sum(phases.values()))
-        out["phases"] = {k: v / total for k, v in phases.items()}
-        out["profiled_steps_per_s"] = per_rollout / total
-    model.env.close()
-    del model
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    return out
+
+    def timed(self, rollouts: int) -> None:
+        _apply_switches(self.variant, self.args)
+        _sync(self.device)
+        t0 = time.perf_counter()
+        self.model.learn(rollouts * self.per_rollout, reset_num_timesteps=False)
+        _sync(self.device)
+        self.seconds += time.perf_counter() - t0
+        self.rollouts += rollouts
+
+    def result(self) -> dict:
+        """The env-steps/s of the timed rollouts, then (rlseq) one profiled rollout's phase shares."""
+        out = {"variant": self.variant, "steps_per_s": self.rollouts * self.per_rollout / self.seconds,
+               "seconds": self.seconds}
+        model = self.model
+        if hasattr(model, "phases"):
+            _apply_switches(self.variant, self.args)
+            model.phases.enabled = True
+            model.phases.reset()
+            t1 = time.perf_counter()
+            model.learn(self.per_rollout, reset_num_timesteps=False)
+            _sync(self.device)
+            total = time.perf_counter() - t1
+            phases = dict(model.phases.totals)
+            phases["other"] = max(0.0, total - sum(phases.values()))
+            out["phases"] = {k: v / total for k, v in phases.items()}
+            out["profiled_steps_per_s"] = self.per_rollout / total
+        return out
+
+    def close(self) -> None:
+        self.model.env.close()
+        del self.model
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def measure_all(args: argparse.Namespace, device: str) -> list[dict]:
+    """Every variant's result, timed round-robin (or one after the other with ``--sequential``)."""
+    if args.sequential:
+        results = []
+        for variant in args.variants:
+            bench = _Bench(variant, args, device)
+            bench.timed(args.rollouts)
+            results.append(bench.result())
+            bench.close()
+        return results
+    benches = [_Bench(v, args, device) for v in args.variants]
+    for r in range(args.rollouts):
+        for i in range(len(benches)):
+            benches[(r + i) % len(benches)].timed(1)
+    results = [b.result() for b in benches]
+    for b in benches:
+        b.close()
+    return results
+
+
+def _same_options_baseline(variant: str, base: dict[str, float]) -> float | None:
+    """env-steps/s of ``rlseq-none`` with ``variant``'s ``+`` options, if that was measured."""
+    options = variant.split("+")[1:]
+    return base.get("+".join(["rlseq-none", *options]))
 
 
 def main(args: argparse.Namespace) -> None:
@@ -175,17 +228,18 @@ def main(args: argparse.Namespace) -> None:
           f"{cfg['n_minibatches']} minibatches; {args.warmup} warm-up + {args.rollouts} timed rollouts per variant")
     defaults = settings("rlseq-none", args)
     label = describe_settings(defaults)
-    print(f"settings: {label} (all but TF32: rlseq variants only; a variant's +options add to these)\n")
-    results = []
-    for variant in args.variants:
-        res = measure(variant, args, device)
-        results.append(res)
+    print(f"settings: {label} (all but TF32: rlseq variants only; a variant's +options add to these)")
+    print("timing: " + ("one variant after the other" if args.sequential else
+                        "round-robin, one rollout per variant per round") + "\n", flush=True)
+    results = measure_all(args, device)
+    for res in results:
+        variant = res["variant"]
         print(f"  {variant} ({describe_settings(settings(variant, args))}): {res['steps_per_s']:,.0f} env-steps/s", flush=True)
     base = {r["variant"]: r["steps_per_s"] for r in results}
-    ref = base.get("rlseq-none")
-    print(f"\n| variant ({label}) | env-steps/s | vs rlseq-none | vs sb3-lstm |")
+    print(f"\n| variant ({label}) | env-steps/s | vs rlseq-none (same options) | vs sb3-lstm |")
     print("|---|---:|---:|---:|")
     for r in results:
+        ref = _same_options_baseline(r["variant"], base)
         vs_none = f"{r['steps_per_s'] / ref:.2f}x" if ref else "n/a"
         vs_sb3 = f"{r['steps_per_s'] / base['sb3-lstm']:.2f}x" if "sb3-lstm" in base else "n/a"
         print(f"| {r['variant']} | {r['steps_per_s']:,.0f} | {vs_none} | {vs_sb3} |")
