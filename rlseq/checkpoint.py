@@ -24,7 +24,9 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecNormalize
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary sibling, fsync it, and rename it onto ``path``: readers see the old or the
+    new file, never a torn one."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     with open(tmp, "w") as f:
         f.write(text)
@@ -101,7 +103,7 @@ def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2) -> Path:
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _write_atomic(root / "latest", final.name + "\n")
+    write_text_atomic(root / "latest", final.name + "\n")
     steps = sorted((p for p in root.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))
     for old in steps[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

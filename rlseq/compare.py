@@ -302,6 +302,12 @@ def final_returns(df: pd.DataFrame, *, final_fraction: float = 0.1,
     if d.empty:
         available = ", ".join(sorted(df["tag"].unique())) or "none"
         raise CompareError(f"metric {metric!r} not found in the event files; tags present: {available}")
+    return _tail_means(d, final_fraction)
+
+
+def _tail_means(d: pd.DataFrame, final_fraction: float) -> pd.DataFrame:
+    """Per (env, variant, seed) of ``d`` (one tag, finite values): the mean over the last ``final_fraction`` of
+    that seed's steps, the rule of :func:`final_returns`. Columns env, variant, seed, final, last_step."""
     rows = []
     for (env, variant, seed), g in d.groupby(["env", "variant", "seed"], sort=True):
         last = int(g["step"].max())
@@ -448,26 +454,22 @@ def diagnostics_summary(df: pd.DataFrame, *, final_fraction: float = 0.1) -> pd.
     count), ``nonfinite_seeds`` (seeds with at least one), and ``value_target_final`` (mean across seeds of
     the final ``train/value_target_abs_mean``: the scale the critic has to fit).
     """
+    def tail(tag: str) -> pd.Series:
+        d = df[(df["tag"] == tag) & np.isfinite(df["value"])]
+        return _tail_means(d, final_fraction).set_index(["env", "variant", "seed"])["final"]
+
+    def peak(tag: str) -> pd.Series:
+        return df[df["tag"] == tag].groupby(["env", "variant", "seed"])["value"].max()
+
+    seeds = df[["env", "variant", "seed"]].drop_duplicates().set_index(["env", "variant", "seed"]).index
+    columns = (tail("memory/gate_saturated_frac"), peak("memory/key_norm_max"), peak("memory/state_norm_max"),
+               peak("memory/nonfinite_events"), tail("train/value_target_abs_mean"))
+    per_seed_all = pd.concat([c.reindex(seeds) for c in columns], axis=1)
     rows = []
     for (env, variant), g in df.groupby(["env", "variant"], sort=True):
         if not g["tag"].isin(DIAGNOSTIC_TAGS).any():
             continue
-        per_seed = []
-        for _, gs in g.groupby("seed"):
-            def tail_mean(tag: str) -> float:
-                d = gs[(gs["tag"] == tag) & np.isfinite(gs["value"])]
-                if d.empty:
-                    return math.nan
-                return float(d[d["step"] >= (1 - final_fraction) * d["step"].max()]["value"].mean())
-
-            def peak(tag: str) -> float:
-                d = gs[gs["tag"] == tag]["value"]
-                return float(d.max()) if len(d) else math.nan
-
-            per_seed.append((tail_mean("memory/gate_saturated_frac"), peak("memory/key_norm_max"),
-                             peak("memory/state_norm_max"), peak("memory/nonfinite_events"),
-                             tail_mean("train/value_target_abs_mean")))
-        a = np.array(per_seed, dtype=np.float64)
+        a = per_seed_all.loc[(env, variant)].to_numpy(np.float64)  # [seeds, 5]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # all-NaN columns stay NaN
             rows.append({

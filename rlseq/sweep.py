@@ -225,10 +225,10 @@ def _write_status(path: Path, spec_name: str, runs: list[Run]) -> None:
         d.pop("argv")
         return d
 
+    from rlseq.checkpoint import write_text_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps({"sweep": spec_name, "time": time.time(), "runs": [row(r) for r in runs]}, indent=1))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps({"sweep": spec_name, "time": time.time(), "runs": [row(r) for r in runs]}, indent=1))
 
 
 def _tail(path: Path, n: int = 15) -> list[str]:

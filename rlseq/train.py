@@ -237,9 +237,6 @@ def train(args: argparse.Namespace) -> Path:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     cfg["cuda_graph"] = cfg["cuda_graph"] and torch.device(device).type == "cuda"  # recorded as it runs
     folder = run_dir(args.logdir, cfg)
-    if (folder / "final_model.zip").exists():
-        print(f"{folder} is finished already (final_model.zip exists); nothing to do")
-        return folder
     try:
         with run_folder_lock(folder):
             return _train_locked(args, cfg, folder, device)
@@ -259,13 +256,13 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     from rlseq.envs import ScaledReturnLogger
 
     ckpt_root = folder / "checkpoints"
-    if (folder / "final_model.zip").exists():  # again: another process may have finished it while we waited
+    if (folder / "final_model.zip").exists():  # checked under the lock: no other process can be finishing it
         print(f"{folder} is finished already (final_model.zip exists); nothing to do")
         return folder
     latest = latest_checkpoint(ckpt_root)
     if any(p.name != LOCK_NAME for p in folder.iterdir()) and not args.resume:
         raise UsageError(f"run folder {folder} exists; pass --resume to continue it, or another --seed/--tag/--logdir")
-    if args.resume and latest is None and folder.exists() and any(folder.glob("events.out.tfevents.*")):
+    if args.resume and latest is None and any(folder.glob("events.out.tfevents.*")):
         print(f"{folder} has no checkpoint yet: starting it again from step 0", flush=True)
 
     env = make_env({**cfg, "normalize_reward": cfg.get("normalize_reward") and latest is None}, seed=cfg["seed"])
