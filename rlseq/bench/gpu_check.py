@@ -265,6 +265,11 @@ CANDIDATES = {
     "split-tf32x3-all": dict(bwd="split", prec="tf32x3"),
     "split-tf32x3-all-bv32": dict(bwd="split", prec="tf32x3", block_v=32, block_v_bwd=32, num_warps=8),
     "split-tf32": dict(bwd="split", prec="tf32"),
+    # the default's split backward with P computed for all chunks in parallel first, and/or software pipelining
+    "prep": dict(mode="prep"),
+    "stages2": dict(num_stages=2),
+    "prep-stages2": dict(mode="prep", num_stages=2),
+    "stages3": dict(num_stages=3),
 }
 TIME_SHAPES = [(8, 256, 4, 64), (64, 256, 4, 64), (8, 256, 4, 32), (64, 256, 4, 16), (16, 1024, 4, 64)]
 CHECK_DIMS = (64, 32)
@@ -419,6 +424,46 @@ def time_candidates(device, names, shapes, log, fla) -> list:
     return rows
 
 
+def kernel_breakdown(device, names, shapes, iters: int = 20) -> None:
+    """``--breakdown``: device time of every kernel one fwd+bwd launches (EFLA fp32, resets ~2%), from
+    ``torch.profiler`` over ``iters`` calls after warm-up, per candidate and shape, with the wall fwd+bwd
+    (``do_bench`` median) beside it: where the time goes, and how much of it is host or launch gaps."""
+    import triton.testing
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlseq.kernels.triton_chunk import LAST_COMPILED
+
+    print("| shape (B,T,H,D) | candidate | fwd+bwd ms (wall) | kernel | device ms per call |")
+    print("|---|---|---|---|---|")
+    for (B, T, H, D), name in itertools.product(shapes, names):
+        inp = inputs(B, T, H, D, D, "efla", seed=1, device=device, reset_prob=0.02, norms=(1e-2, 1e2))
+        x = {n: inp[n].float().clone().requires_grad_() for n in FIELDS}
+        do = torch.randn(B, T, H, D, device=device)
+
+        def fb():
+            o, s = chunk_triton(x["q"], x["k"], x["v"], x["beta"], rule="efla", initial_state=x["initial_state"],
+                                resets=inp["resets"], config=CANDIDATES[name])
+            torch.autograd.backward([o, s], [do, torch.ones_like(s)])
+        LAST_COMPILED.clear()
+        wall = triton.testing.do_bench(fb, warmup=25, rep=100, return_mode="median", grad_to_none=list(x.values()))
+        print(f"| {(B, T, H, D)} | {name} | {wall:.3f} | resources | {resources()} |", flush=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                fb()
+            torch.cuda.synchronize()
+        per = {}
+        for ev in prof.events():
+            if ev.device_type == torch.autograd.DeviceType.CUDA:
+                per[ev.name] = per.get(ev.name, 0.0) + ev.device_time_total / 1e3 / iters
+        if not per:  # a profiler without per-kernel device events: print its own table
+            print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12))
+            continue
+        total = sum(per.values())
+        for kname, ms in sorted(per.items(), key=lambda kv: -kv[1]):
+            print(f"| {(B, T, H, D)} | {name} | {wall:.3f} | {kname[:60]} | {ms:.3f} |", flush=True)
+        print(f"| {(B, T, H, D)} | {name} | {wall:.3f} | **all kernels** | {total:.3f} |", flush=True)
+
+
 def run_candidates(device, names, log, jobs, fla) -> None:
     """``--candidates``: compile in ``jobs`` parallel processes, then check every candidate, then time them."""
     import subprocess
@@ -534,6 +579,9 @@ def main(argv=None):
                         "kernels, after compiling in --jobs parallel processes")
     p.add_argument("--jobs", type=int, default=12, help="--candidates: parallel compile processes (0: none)")
     p.add_argument("--warm-candidates", type=int, nargs=2, default=None, metavar=("I", "N"), help=argparse.SUPPRESS)
+    p.add_argument("--breakdown", action="store_true",
+                   help="with --candidates: device time per kernel of fwd+bwd (torch.profiler), no checks")
+    p.add_argument("--shapes", nargs="*", default=None, metavar="B,T,H,D", help="--breakdown: shapes (default: the timed ones)")
     p.add_argument("--ptxas", action="store_true",
                    help="no GPU: registers and spills of every kernel of the candidates at the timed shapes (sm_90)")
     a = p.parse_args(argv)
@@ -552,6 +600,9 @@ def main(argv=None):
         return warm_candidates(device, *a.warm_candidates, names, fla)
     log = open(a.log, "w") if a.log else sys.stdout
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
+    if a.breakdown:
+        shapes = [tuple(int(v) for v in sh.split(",")) for sh in a.shapes] if a.shapes else TIME_SHAPES
+        return kernel_breakdown(device, names, shapes)
     if a.candidates is not None:
         return run_candidates(device, names, log, a.jobs, fla)
     configs = time_configs()
