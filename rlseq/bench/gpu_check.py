@@ -92,8 +92,9 @@ def describe(cfg, T=256, K=64, V=64, B=None, H=None) -> str:
     text = (f"C{full['chunk_size']} BV{_block_v(full, V)} w{full['num_warps']} s{full['num_stages']} "
             f"{full['mode']} {full['prec']} {full['bwd']}")
     if full["bwd"] == "split":
-        text += (f" (V side BV{_block_v(full, V, 'block_v_bwd')} w{full['num_warps_bwd'] or full['num_warps']}, "
-                 f"K side BV{_block_v(full, V, 'kside_block_v')} w{full['kside_warps']} "
+        sv = full["num_stages_bwd"] or full["num_stages"]
+        text += (f" (V side BV{_block_v(full, V, 'block_v_bwd')} w{full['num_warps_bwd'] or full['num_warps']} s{sv}, "
+                 f"K side BV{_block_v(full, V, 'kside_block_v')} w{full['kside_warps']} s{full['kside_stages'] or sv} "
                  f"{full['kside_prec'] or full['prec']})")
     elif full["num_warps_bwd"] or full["block_v_bwd"]:
         text += f" (bwd BV{_block_v(full, V, 'block_v_bwd')} w{full['num_warps_bwd'] or full['num_warps']})"
@@ -270,7 +271,28 @@ CANDIDATES = {
     "stages2": dict(num_stages=2),
     "prep-stages2": dict(mode="prep", num_stages=2),
     "stages3": dict(num_stages=3),
+    # K side of the split backward: V tile, warps, pipelining (1 program per SM at w8 with 241 regs)
+    "prep2-ks64": dict(mode="prep", num_stages=2, kside_block_v=64),
+    "prep2-ks64-w4": dict(mode="prep", num_stages=2, kside_block_v=64, kside_warps=4),
+    "prep2-ks32-w4": dict(mode="prep", num_stages=2, kside_warps=4),
+    "prep2-ks16-w4": dict(mode="prep", num_stages=2, kside_block_v=16, kside_warps=4),
+    "prep2-ks32-s3": dict(mode="prep", num_stages=2, kside_stages=3),
+    "prep2-ks16-s3": dict(mode="prep", num_stages=2, kside_block_v=16, kside_stages=3),
+    "prep2-ks32-ieee": dict(mode="prep", num_stages=2, kside_prec="ieee"),
+    "prep2-ks64-ieee-w4": dict(mode="prep", num_stages=2, kside_prec="ieee", kside_block_v=64, kside_warps=4),
 }
+# around the best of those at B64 (prep, 2 stages, K side BV32 w4): V blocks, warps and stages per kernel
+_P2K4 = dict(mode="prep", num_stages=2, kside_warps=4)
+CANDIDATES.update({
+    "p2k4-fbv16": dict(_P2K4, block_v=16, block_v_bwd=32),
+    "p2k4-vbv16": dict(_P2K4, block_v=32, block_v_bwd=16),
+    "p2k4-vw8": dict(_P2K4, num_warps_bwd=8),
+    "p2k4-fw8": dict(_P2K4, num_warps=8, num_warps_bwd=4),
+    "p2k4-ks1": dict(_P2K4, kside_stages=1),
+    "p2k4-ks3": dict(_P2K4, kside_stages=3),
+    "p2k4-vs3": dict(_P2K4, num_stages_bwd=3, kside_stages=2),
+    "p2k4-fs3": dict(_P2K4, num_stages=3, num_stages_bwd=2, kside_stages=2),
+})
 TIME_SHAPES = [(8, 256, 4, 64), (64, 256, 4, 64), (8, 256, 4, 32), (64, 256, 4, 16), (16, 1024, 4, 64)]
 CHECK_DIMS = (64, 32)
 CHECK_B, CHECK_T, CHECK_H = 2, 100, 4  # H as timed: H is a constexpr, so checks and timing share compiled kernels
@@ -424,6 +446,29 @@ def time_candidates(device, names, shapes, log, fla) -> list:
     return rows
 
 
+def graph_ms(fn, leaves: dict) -> float:
+    """``do_bench`` median of ``fn`` (a fwd+bwd) captured once in a CUDA graph and replayed: the device time of
+    its kernels without the host's launch work, as a graph-captured training step would run them."""
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves.values():
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as err:
+        print(f"graph capture failed: {err}", flush=True)
+        return float("nan")
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+
+
 def kernel_breakdown(device, names, shapes, iters: int = 20) -> None:
     """``--breakdown``: device time of every kernel one fwd+bwd launches (EFLA fp32, resets ~2%), from
     ``torch.profiler`` over ``iters`` calls after warm-up, per candidate and shape, with the wall fwd+bwd
@@ -447,6 +492,17 @@ def kernel_breakdown(device, names, shapes, iters: int = 20) -> None:
         LAST_COMPILED.clear()
         wall = triton.testing.do_bench(fb, warmup=25, rep=100, return_mode="median", grad_to_none=list(x.values()))
         print(f"| {(B, T, H, D)} | {name} | {wall:.3f} | resources | {resources()} |", flush=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fb()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        print(f"| {(B, T, H, D)} | {name} | {wall:.3f} | host enqueue per call / wall per call, no sync between calls "
+              f"| {(t1 - t0) / iters * 1e3:.3f} / {(t2 - t0) / iters * 1e3:.3f} |", flush=True)
+        print(f"| {(B, T, H, D)} | {name} | {wall:.3f} | fwd+bwd replayed from a CUDA graph | {graph_ms(fb, x):.3f} |",
+              flush=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):
                 fb()

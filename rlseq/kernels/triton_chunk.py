@@ -310,8 +310,9 @@ def default_config(T: int, K: int, V: int, B: int | None = None, H: int | None =
       ~fp32 accurate) or "tf32" (one, ~1e-3 relative error);
     - ``block_v``: V block of the forward (a power of two ≥ 16; None or ≥ V: one block); ``block_v_bwd``: of the
       backward (fused or V side), None = ``block_v``;
-    - ``num_warps`` (forward and prep), ``num_warps_bwd`` (fused backward or V side; None = ``num_warps``),
-      ``num_stages`` (all kernels);
+    - ``num_warps`` (forward and prep), ``num_warps_bwd`` (fused backward or V side; None = ``num_warps``);
+      ``num_stages`` (software pipelining of the loops: forward and prep), ``num_stages_bwd`` (fused backward or
+      V side) and ``kside_stages`` (K side), None = ``num_stages``;
     - ``bwd`` ∈ {"fused", "split"}: one kernel per (sequence·head, V block) doing everything, or a V-side kernel
       (reverse walk: dS, dR, dv, dS₀) then a K-side kernel per (sequence·head, chunk) (dq, dk, dβ), whose V tile is
       ``kside_block_v``, warps ``kside_warps`` and dot precision ``kside_prec`` (None = ``prec``).
@@ -332,7 +333,7 @@ def default_config(T: int, K: int, V: int, B: int | None = None, H: int | None =
     big = bk * bv >= 64 * 64
     return dict(chunk_size=bt, num_warps=nw, num_stages=1, mode="inline", prec="tf32x3" if big else "ieee",
                 block_v=block_v, bwd="split" if big else "fused", block_v_bwd=None, num_warps_bwd=None,
-                kside_block_v=32, kside_warps=8, kside_prec=None)
+                kside_block_v=32, kside_warps=8, kside_prec=None, num_stages_bwd=None, kside_stages=None)
 
 
 def check_config(cfg: dict) -> dict:
@@ -405,7 +406,8 @@ def chunk_bwd(q, k, v, beta, resets, hs, ps, dbuf, do, dht, *, efla: bool, cfg: 
     if dht is not None:
         dht = dht.float().contiguous()
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, EFLA=efla, HAS_RESETS=resets is not None, PREC=cfg["prec"])
-    launch = dict(num_warps=cfg["num_warps_bwd"] or cfg["num_warps"], num_stages=cfg["num_stages"])
+    stages = cfg["num_stages_bwd"] or cfg["num_stages"]
+    launch = dict(num_warps=cfg["num_warps_bwd"] or cfg["num_warps"], num_stages=stages)
     if cfg["bwd"] == "split":
         dq, dk, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta)
         drbuf = torch.empty(B * H, NT * BT, V, dtype=torch.float32, device=dev)
@@ -416,7 +418,7 @@ def chunk_bwd(q, k, v, beta, resets, hs, ps, dbuf, do, dht, *, efla: bool, cfg: 
         LAST_COMPILED["bwd_k"] = chunk_bwd_k_kernel[(B * H, NT)](
             q, k, v, beta, r, hs, dbuf, drbuf, dsbuf, do, dq, dk, dbeta, T, NT,
             BV=_block_v(cfg, V, "kside_block_v"), **dict(common, PREC=cfg["kside_prec"] or cfg["prec"]),
-            num_warps=cfg["kside_warps"], num_stages=cfg["num_stages"])
+            num_warps=cfg["kside_warps"], num_stages=cfg["kside_stages"] or stages)
         return dq, dk, dv, dbeta, dh0
     N = B * T * H
     if NV == 1:  # the kernel writes the final gradients
