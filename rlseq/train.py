@@ -30,7 +30,7 @@ FLAG_TO_KEY = {
     "n_epochs": "n_epochs", "learning_rate": "learning_rate", "reward_scale": "reward_scale",
     "value_shift": "value_shift", "prev_action_reward": "prev_action_reward", "checkpoint_every": "checkpoint_every",
     "normalize_reward": "normalize_reward", "amp": "amp", "fused_adam": "fused_adam", "cuda_graph": "cuda_graph",
-    "channels_last": "channels_last",
+    "channels_last": "channels_last", "env_groups": "env_groups",
 }
 AMP_CHOICES = ("bf16", "none")
 
@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory layout for the CNN (cuDNN's tensor-core layout, mostly with --amp bf16; "
                         "config: channels_last; default off)")
+    p.add_argument("--env-groups", type=int, default=None, metavar="G",
+                   help="split the envs into G groups stepped in turn, so that one group's procgen step overlaps the "
+                        "acting of the others (G must divide --n-envs; --algo rlseq; config: env_groups; default 1)")
     p.add_argument("--logdir", default="runs")
     p.add_argument("--tag", default=None, help="suffix of the run's variant folder, e.g. reward1e3")
     p.add_argument("--config", default=None, help=f"RL Zoo-style YAML file (default: {DEFAULT_CONFIG.name} of the repo)")
@@ -134,6 +137,11 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--n-envs, --n-steps and --total-steps must be >= 1")
     if cfg["n_envs"] % cfg["n_minibatches"]:
         raise UsageError(f"--n-minibatches {cfg['n_minibatches']} must divide --n-envs {cfg['n_envs']}")
+    cfg["env_groups"] = int(cfg.get("env_groups", 1))
+    if cfg["env_groups"] < 1 or cfg["n_envs"] % cfg["env_groups"]:
+        raise UsageError(f"--env-groups {cfg['env_groups']} must be >= 1 and divide --n-envs {cfg['n_envs']}")
+    if cfg["env_groups"] > 1 and args.algo != "rlseq":
+        raise UsageError("--env-groups needs --algo rlseq (sb3-contrib's RecurrentPPO steps all envs at once)")
     if cfg.get("value_shift") and not cfg.get("gamma"):
         raise UsageError("value_shift needs gamma in the config")
     cfg["amp"] = None if cfg.get("amp") in (None, "none", False) else cfg["amp"]
@@ -164,12 +172,22 @@ def run_dir(logdir: str | Path, cfg: dict[str, Any]) -> Path:
 
 
 def make_env(cfg: dict[str, Any], *, seed: int, n_envs: int | None = None, training: bool = True):
-    """procgen → ScaleReward → PotentialValueShift → PrevActionReward → VecNormalize (rewards only)."""
+    """procgen → ScaleReward → PotentialValueShift → PrevActionReward → VecNormalize (rewards only).
+
+    With ``env_groups: G > 1`` (training only; evaluation steps one stack), ``G`` such stacks of ``n_envs / G``
+    envs, seeded ``seed + g * n_envs / G``, in a :class:`~rlseq.envs.VecEnvGroups` whose VecNormalize wrappers
+    share one reward statistic.
+    """
     from stable_baselines3.common.vec_env import VecNormalize
 
-    from rlseq.envs import PotentialValueShift, PrevActionReward, ScaleReward, make_procgen
+    from rlseq.envs import PotentialValueShift, PrevActionReward, ScaleReward, VecEnvGroups, make_procgen
 
-    venv = make_procgen(cfg["env"], n_envs or cfg["n_envs"], seed=seed, **cfg.get("env_kwargs", {}))
+    n_envs = n_envs or cfg["n_envs"]
+    n_groups = int(cfg.get("env_groups", 1)) if training else 1
+    if n_groups > 1:
+        stack = {**cfg, "env_groups": 1}
+        return VecEnvGroups.build(lambda n, s: make_env(stack, seed=s, n_envs=n), n_envs, n_groups, seed=seed)
+    venv = make_procgen(cfg["env"], n_envs, seed=seed, **cfg.get("env_kwargs", {}))
     if cfg.get("reward_scale", 1.0) != 1.0:
         venv = ScaleReward(venv, cfg["reward_scale"])
     if cfg.get("value_shift", 0.0):
@@ -251,8 +269,7 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     from stable_baselines3.common.logger import configure
 
     from rlseq.callbacks import ProgressEstimate
-    from rlseq.checkpoint import (LOCK_NAME, CheckpointCallback, latest_checkpoint, load_vecnormalize, save_checkpoint,
-                                  set_rng_state)
+    from rlseq.checkpoint import LOCK_NAME, CheckpointCallback, latest_checkpoint, save_checkpoint, set_rng_state
     from rlseq.envs import ScaledReturnLogger
 
     ckpt_root = folder / "checkpoints"
@@ -267,7 +284,7 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
 
     env = make_env({**cfg, "normalize_reward": cfg.get("normalize_reward") and latest is None}, seed=cfg["seed"])
     if latest is not None and args.resume:
-        env = load_vecnormalize(latest, env)
+        env = _load_reward_statistics(latest, env)
         algo = _algo_class(cfg)
         model = algo.load(latest / "model.zip", env=env, device=device)
         try:
@@ -298,6 +315,17 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     env.close()
     print(f"done: {model.num_timesteps:,} env steps in {folder}", flush=True)
     return folder
+
+
+def _load_reward_statistics(checkpoint: Path, env):
+    """``env`` with the VecNormalize statistics saved in ``checkpoint`` (if any); env groups each load them and
+    then share group 0's copy, the one statistic of all envs."""
+    from rlseq.checkpoint import load_vecnormalize
+    from rlseq.envs import VecEnvGroups
+
+    if isinstance(env, VecEnvGroups):
+        return env.map_groups(lambda group: load_vecnormalize(checkpoint, group))
+    return load_vecnormalize(checkpoint, env)
 
 
 def saved_speed_settings(model) -> dict[str, Any]:

@@ -251,6 +251,9 @@ def warm(device, i, n, configs, fla=True) -> None:
 # below: the fused backward with FMA dots)
 CANDIDATES = {
     "default": {},
+    # the default at D64 before v4: inline P, one stage, K side at 8 warps, V blocks of 16 (B8, B16) or 32 (B64)
+    "v3": dict(mode="inline", num_stages=1, block_v=16, kside_warps=8),
+    "v3-bv32": dict(mode="inline", num_stages=1, block_v=32, kside_warps=8),
     "fused-ieee": dict(bwd="fused", prec="ieee", kside_warps=4),  # the default before v3 (and below D64 now)
     "fused-w8": dict(bwd="fused", prec="ieee", num_warps=8),
     "fused-tf32x3": dict(bwd="fused", prec="tf32x3"),
@@ -284,6 +287,7 @@ CANDIDATES = {
 # around the best of those at B64 (prep, 2 stages, K side BV32 w4): V blocks, warps and stages per kernel
 _P2K4 = dict(mode="prep", num_stages=2, kside_warps=4)
 CANDIDATES.update({
+    "d64-tuned": dict(_P2K4, block_v=32),  # the D64 default of v4, at other head dims
     "p2k4-fbv16": dict(_P2K4, block_v=16, block_v_bwd=32),
     "p2k4-vbv16": dict(_P2K4, block_v=32, block_v_bwd=16),
     "p2k4-vw8": dict(_P2K4, num_warps_bwd=8),
@@ -446,29 +450,6 @@ def time_candidates(device, names, shapes, log, fla) -> list:
     return rows
 
 
-def graph_ms(fn, leaves: dict) -> float:
-    """``do_bench`` median of ``fn`` (a fwd+bwd) captured once in a CUDA graph and replayed: the device time of
-    its kernels without the host's launch work, as a graph-captured training step would run them."""
-    import triton.testing
-
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    for t in leaves.values():
-        t.grad = None
-    graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except RuntimeError as err:
-        print(f"graph capture failed: {err}", flush=True)
-        return float("nan")
-    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
-
-
 def kernel_breakdown(device, names, shapes, iters: int = 20) -> None:
     """``--breakdown``: device time of every kernel one fwd+bwd launches (EFLA fp32, resets ~2%), from
     ``torch.profiler`` over ``iters`` calls after warm-up, per candidate and shape, with the wall fwd+bwd
@@ -476,6 +457,7 @@ def kernel_breakdown(device, names, shapes, iters: int = 20) -> None:
     import triton.testing
     from torch.profiler import ProfilerActivity, profile
 
+    from rlseq.bench.timing import graph_ms
     from rlseq.kernels.triton_chunk import LAST_COMPILED
 
     print("| shape (B,T,H,D) | candidate | fwd+bwd ms (wall) | kernel | device ms per call |")
@@ -501,7 +483,7 @@ def kernel_breakdown(device, names, shapes, iters: int = 20) -> None:
         t2 = time.perf_counter()
         print(f"| {(B, T, H, D)} | {name} | {wall:.3f} | host enqueue per call / wall per call, no sync between calls "
               f"| {(t1 - t0) / iters * 1e3:.3f} / {(t2 - t0) / iters * 1e3:.3f} |", flush=True)
-        print(f"| {(B, T, H, D)} | {name} | {wall:.3f} | fwd+bwd replayed from a CUDA graph | {graph_ms(fb, x):.3f} |",
+        print(f"| {(B, T, H, D)} | {name} | {wall:.3f} | fwd+bwd replayed from a CUDA graph | {graph_ms(fb, list(x.values())):.3f} |",
               flush=True)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(iters):

@@ -8,7 +8,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from rlseq.bench.timing import describe_environment, interleaved_median_ms, median_ms
+from rlseq.bench.timing import describe_environment, graph_ms, interleaved_median_ms, median_ms
 from rlseq.kernels import chunk_rule, triton_available
 
 
@@ -96,15 +96,16 @@ def _fwd_and_fwd_bwd(forward, leaves: list[torch.Tensor]):
     return forward_only, forward_backward
 
 
-def time_backend(inp: dict[str, torch.Tensor], rule: str, backend: str, repeats: int) -> tuple[float, float, torch.Tensor]:
-    """(forward ms, forward+backward ms, output) for one backend, timed on its own."""
+def time_backend(inp: dict[str, torch.Tensor], rule: str, backend: str, repeats: int, graph: bool = False):
+    """(forward ms, forward+backward ms, output) for one backend, timed on its own; with ``graph`` (CUDA) a
+    fourth entry: the forward+backward replayed from a CUDA graph (:func:`rlseq.bench.timing.graph_ms`)."""
     device = inp["q"].device
     if backend in FLA_BACKENDS:
         leaves = {n: inp[n].clone().requires_grad_() for n in ("q", "k", "v", "beta", "initial_state")}
-        return time_fla(inp, backend, leaves)
+        return time_fla(inp, backend, leaves, graph)
     forward, _, _, leaves = backend_fns(inp, rule, backend)
     warmup = 1 if backend == "reference" else 3
-    return time_forward_backward(forward, leaves, device, warmup, repeats)
+    return time_forward_backward(forward, leaves, device, warmup, repeats, graph)
 
 
 def time_backends_interleaved(inp: dict[str, torch.Tensor], rule: str, backends: list[str], repeats: int):
@@ -122,15 +123,18 @@ def time_backends_interleaved(inp: dict[str, torch.Tensor], rule: str, backends:
     return {b: (ms[(b, "fwd")], ms[(b, "both")], outs[b]) for b in backends}
 
 
-def time_forward_backward(forward, leaves: list[torch.Tensor], device: torch.device, warmup: int, repeats: int):
+def time_forward_backward(forward, leaves: list[torch.Tensor], device: torch.device, warmup: int, repeats: int,
+                          graph: bool = False):
     """(forward ms, forward+backward ms, output) of ``forward() -> (o, final_state)`` with random output
-    gradients; the forward alone runs under ``no_grad``."""
+    gradients; the forward alone runs under ``no_grad``. With ``graph``: also the forward+backward replayed from a
+    CUDA graph (the kernels' device time without the host's launch work)."""
     forward_only, forward_backward = _fwd_and_fwd_bwd(forward, leaves)
     fwd = _time(forward_only, device, warmup, repeats)
     both = _time(forward_backward, device, warmup, repeats, grads=leaves)
+    replay = (graph_ms(forward_backward, leaves),) if graph else ()
     with torch.no_grad():
         o, _ = forward()
-    return fwd, both, o
+    return (fwd, both, o, *replay)
 
 
 def main(args: argparse.Namespace) -> None:
@@ -184,7 +188,7 @@ def fla_available() -> bool:
     return True
 
 
-def time_fla(inp: dict[str, torch.Tensor], backend: str, leaves: dict[str, torch.Tensor]):
+def time_fla(inp: dict[str, torch.Tensor], backend: str, leaves: dict[str, torch.Tensor], graph: bool = False):
     """fla's DeltaNet kernels (scale 1, initial and final state): chunk in bf16, fused_recurrent in fp32."""
     from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
 
@@ -195,15 +199,17 @@ def time_fla(inp: dict[str, torch.Tensor], backend: str, leaves: dict[str, torch
     def forward():
         return fn(x["q"], x["k"], x["v"], x["beta"], scale=1.0, initial_state=x["initial_state"], output_final_state=True)
 
-    return time_forward_backward(forward, list(x.values()), device, 3, 20)
+    return time_forward_backward(forward, list(x.values()), device, 3, 20, graph)
 
 
 def chunk_rows(args, device, backends, repeats) -> None:
     shapes = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes] if args.shapes else \
         [(B, args.steps, args.heads, D) for B in args.batch for D in args.head_dim]
     fla = args.fla and device.type == "cuda" and fla_available()
-    print("| rule | B | T | H | D | dtype | backend | fwd ms | fwd+bwd ms | rel. err of o vs fp64 oracle |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    graph = device.type == "cuda"  # the fwd+bwd also replayed from a CUDA graph: the kernels without host work
+    print("| rule | B | T | H | D | dtype | backend | fwd ms | fwd+bwd ms |" + (" fwd+bwd ms, CUDA graph |" if graph else "")
+          + " rel. err of o vs fp64 oracle |")
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if graph else ""))
     for B, T, H, D in shapes:
         for dname in args.dtypes:
             dt = DTYPES[dname]
@@ -222,14 +228,15 @@ def chunk_rows(args, device, backends, repeats) -> None:
                     with torch.no_grad():
                         ref, _ = chunk_rule(*(x[n].double() for n in ("q", "k", "v", "beta")), rule="deltanet",
                                             initial_state=x["initial_state"].double(), backend="reference")
-                    fwd, both, o = time_backend(x, "deltanet", backend, repeats)
+                    fwd, both, o, *replay = time_backend(x, "deltanet", backend, repeats, graph)
                     rule = "deltanet"
                 else:
-                    fwd, both, o = time_backend(inp, args.rule, backend, repeats)
+                    fwd, both, o, *replay = time_backend(inp, args.rule, backend, repeats, graph)
                     ref, rule = o_ref, args.rule
                 err = ((o.double() - ref).norm() / ref.norm()).item()
                 dlabel = {"fla_chunk": "bfloat16", "fla_recurrent": "float32"}.get(backend, dname)
-                print(f"| {rule} | {B} | {T} | {H} | {D} | {dlabel} | {backend} | {fwd:.3f} | {both:.3f} | {err:.1e} |",
+                cols = "".join(f" {r:.3f} |" if r == r else " n/a |" for r in replay)
+                print(f"| {rule} | {B} | {T} | {H} | {D} | {dlabel} | {backend} | {fwd:.3f} | {both:.3f} |{cols} {err:.1e} |",
                       flush=True)
 
 

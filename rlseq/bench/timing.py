@@ -75,3 +75,27 @@ def describe_environment(device: torch.device) -> str:
 
         where = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
     return f"device: {where}; python {platform.python_version()}; " + ", ".join(parts)
+
+
+def graph_ms(fn: Callable[[], object], leaves: list[torch.Tensor]) -> float:
+    """``do_bench`` median of ``fn`` (a fwd+bwd) captured once in a CUDA graph and replayed: the device time of
+    its kernels without the host's launch work, as a graph-captured training step would run them. ``leaves`` get
+    ``grad = None`` before the capture (the graph then owns their gradients). NaN when the capture fails."""
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    for t in leaves:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as err:
+        print(f"graph capture failed: {err}", flush=True)
+        return float("nan")
+    return triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median")

@@ -9,6 +9,9 @@
 * :class:`PotentialValueShift`: value targets + shift, same optimal policy.
 * :class:`PrevActionReward`: Dict observation with previous action/reward.
 * :class:`ScaledReturnLogger`: SB3 callback logging the scaled return.
+* :class:`VecEnvGroups`: several env stacks as one VecEnv, also stepped one
+  group at a time (MemoryPPO overlaps one group's env step with the acting
+  of the others).
 
 Importing this package is cheap: the submodules (which import SB3, and in
 turn torch) load on first attribute access, and procgen itself loads only
@@ -31,6 +34,7 @@ _EXPORTS = {
     "PotentialValueShift": "wrappers",
     "PrevActionReward": "wrappers",
     "ScaledReturnLogger": "wrappers",
+    "VecEnvGroups": "groups",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -43,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         make_procgen,
         normalize_procgen_name,
     )
+    from .groups import VecEnvGroups
     from .wrappers import PotentialValueShift, PrevActionReward, ScaledReturnLogger, ScaleReward
 
 
