@@ -315,11 +315,11 @@ def fp32_tol(cfg) -> float:
     return 5e-4 if "tf32" in (cfg["prec"], cfg["kside_prec"]) else 1e-4
 
 
-def check_jobs(names) -> list:
+def check_jobs(names, dims=CHECK_DIMS) -> list:
     """(name, rule, dtype name, D, full config): every candidate at D64 and D32, both rules, fp32 and bf16, with
     the config it gets at B8 and, in fp32, also at B64 when that differs (the default V block depends on B)."""
     jobs = []
-    for name, D, rule, dt in itertools.product(names, CHECK_DIMS, ("efla", "deltanet"), DTYPES):
+    for name, D, rule, dt in itertools.product(names, dims, ("efla", "deltanet"), DTYPES):
         seen = []
         for B in (8, 64) if dt == "float32" else (8,):
             cfg = resolve(name, B, 256, CHECK_H, D, D)
@@ -329,11 +329,11 @@ def check_jobs(names) -> list:
     return jobs
 
 
-def warm_candidates(device, i, n, names, fla) -> None:
+def warm_candidates(device, i, n, names, fla, dims=CHECK_DIMS) -> None:
     """Compile share i of n of what ``--candidates`` runs (tiny B, same constexprs), to fill triton's cache in
     parallel processes before anything is timed."""
     jobs = [("efla", "float32", D, resolve(nm, B, T, H, D, D)) for (B, T, H, D), nm in itertools.product(TIME_SHAPES, names)]
-    jobs += [(rule, dt, D, cfg) for _, rule, dt, D, cfg in check_jobs(names)]
+    jobs += [(rule, dt, D, cfg) for _, rule, dt, D, cfg in check_jobs(names, dims)]
     if fla:
         jobs += [("fla", dt, D, None) for (_, _, _, D), dt in itertools.product(TIME_SHAPES, ("float32", "bfloat16"))]
     uniq = []  # T is not specialized on (do_not_specialize): one short T compiles what every T runs
@@ -371,12 +371,12 @@ def fla_fwd_bwd(inp, dtype):
     return run, list(x.values())
 
 
-def check_candidates(device, names, log) -> list:
+def check_candidates(device, names, log, dims=CHECK_DIMS) -> list:
     """Every candidate against the float64 oracle (resets, zero keys, key norms 1e-4..1e4, T not a multiple of the
     chunk); one line per check with the max relative error per tensor and OK/FAIL."""
     rows, refs = [], {}
     t0 = time.time()
-    for name, rule, dt, D, cfg in check_jobs(names):
+    for name, rule, dt, D, cfg in check_jobs(names, dims):
         dtype = DTYPES[dt]
         key = (rule, dt, D)
         if key not in refs:
@@ -502,13 +502,14 @@ def kernel_breakdown(device, names, shapes, iters: int = 20) -> None:
         print(f"| {(B, T, H, D)} | {name} | {wall:.3f} | **all kernels** | {total:.3f} |", flush=True)
 
 
-def run_candidates(device, names, log, jobs, fla) -> None:
+def run_candidates(device, names, log, jobs, fla, dims=CHECK_DIMS) -> None:
     """``--candidates``: compile in ``jobs`` parallel processes, then check every candidate, then time them."""
     import subprocess
 
     t0 = time.time()
     if jobs > 0:
-        cmd = [sys.executable, "-m", "rlseq.bench.gpu_check", "--candidates", *names, "--warm-candidates"]
+        cmd = [sys.executable, "-m", "rlseq.bench.gpu_check", "--candidates", *names, "--check-dims", *map(str, dims),
+               "--warm-candidates"]
         procs = [subprocess.Popen(cmd + [str(i), str(jobs)] + ([] if fla else ["--no-fla"]), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True) for i in range(jobs)]
         for p in procs:
@@ -517,7 +518,7 @@ def run_candidates(device, names, log, jobs, fla) -> None:
                 if "ERROR" in line:
                     print(line, flush=True)
         print(f"compiled in {jobs} processes: {time.time() - t0:.0f}s", flush=True)
-    rows = check_candidates(device, names, log)
+    rows = check_candidates(device, names, log, dims)
     n_fail = sum(not ok for ok, _ in rows)
     print(f"correctness: {len(rows) - n_fail}/{len(rows)} OK ({time.time() - t0:.0f}s so far)", flush=True)
     for ok, line in rows:
@@ -617,6 +618,8 @@ def main(argv=None):
                         "kernels, after compiling in --jobs parallel processes")
     p.add_argument("--jobs", type=int, default=12, help="--candidates: parallel compile processes (0: none)")
     p.add_argument("--warm-candidates", type=int, nargs=2, default=None, metavar=("I", "N"), help=argparse.SUPPRESS)
+    p.add_argument("--check-dims", type=int, nargs="+", default=list(CHECK_DIMS),
+                   help="--candidates: head dims (K = V) of the correctness checks")
     p.add_argument("--breakdown", action="store_true",
                    help="with --candidates: device time per kernel of fwd+bwd (torch.profiler), no checks")
     p.add_argument("--shapes", nargs="*", default=None, metavar="B,T,H,D", help="--breakdown: shapes (default: the timed ones)")
@@ -635,14 +638,14 @@ def main(argv=None):
     device = torch.device("cuda")
     fla = not a.no_fla and importlib.util.find_spec("fla") is not None
     if a.warm_candidates is not None:
-        return warm_candidates(device, *a.warm_candidates, names, fla)
+        return warm_candidates(device, *a.warm_candidates, names, fla, a.check_dims)
     log = open(a.log, "w") if a.log else sys.stdout
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     if a.breakdown:
         shapes = [tuple(int(v) for v in sh.split(",")) for sh in a.shapes] if a.shapes else TIME_SHAPES
         return kernel_breakdown(device, names, shapes)
     if a.candidates is not None:
-        return run_candidates(device, names, log, a.jobs, fla)
+        return run_candidates(device, names, log, a.jobs, fla, a.check_dims)
     configs = time_configs()
     if a.warm is not None:
         warm(device, *a.warm, configs if a.time_configs is None else [configs[i] for i in a.time_configs],
