@@ -17,11 +17,14 @@ baseline of ``rlseq-lstm``) use the IMPALA CNN of the config.
 
 Speed settings, labelled in the tables: ``--tf32`` (TF32 convolutions and matmuls for every variant; off by
 default, as in ``python -m rlseq.train``, so the baseline is true fp32), ``--amp bf16`` (the CNN in bf16
-autocast), ``--fused-adam``, ``--cuda-graph`` (acting replayed from a CUDA graph) and ``--channels-last`` (NHWC
-CNN; options ``bf16``, ``fused``, ``graph``, ``nhwc``), all but TF32 for the rlseq variants only (the sb3 variants stay stock). A
-variant may also carry its own settings after ``+``, so one call compares them side by side in one process::
+autocast), ``--fused-adam``, ``--cuda-graph`` (acting replayed from a CUDA graph), ``--channels-last`` (NHWC
+CNN) and ``--env-groups G`` (the envs in G groups whose env steps overlap the other groups' acting; options
+``bf16``, ``fused``, ``graph``, ``nhwc``, ``groupsG`` such as ``groups2``), all but TF32 for the rlseq variants only
+(the sb3 variants stay stock). A variant may also carry its own settings after ``+``, so one call compares them
+side by side in one process::
 
     python -m rlseq.bench train --variants rlseq-efla rlseq-efla+graph rlseq-efla+graph+bf16+fused+tf32
+    python -m rlseq.bench train --variants rlseq-efla+graph+bf16+fused+nhwc+tf32 rlseq-efla+graph+bf16+fused+nhwc+tf32+groups2
 """
 
 from __future__ import annotations
@@ -34,14 +37,15 @@ import torch
 from rlseq.bench.timing import describe_environment
 
 VARIANTS = ("rlseq-none", "rlseq-efla", "rlseq-deltanet", "rlseq-lstm", "sb3-lstm", "sb3-lstm-impala", "sb3-ppo")
-OPTIONS = ("bf16", "fused", "tf32", "graph", "nhwc")  # per-variant settings: VARIANT+OPTION[+OPTION...]
+OPTIONS = ("bf16", "fused", "tf32", "graph", "nhwc", "groups2")  # per-variant settings: VARIANT+OPTION[+OPTION...]
 PHASES = ("env", "act", "buffer", "train_forward", "train_backward", "optimizer", "diagnostics")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", default="caveflyer")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), type=_variant, metavar="VARIANT[+OPTION]",
-                        help=f"{', '.join(VARIANTS)}; options (rlseq variants): {', '.join(OPTIONS)} (tf32: any)")
+                        help=f"{', '.join(VARIANTS)}; options (rlseq variants): {', '.join(OPTIONS)} (groupsG: any G "
+                             ">= 1; tf32: any variant)")
     parser.add_argument("--n-envs", type=int, default=None, help="default: the config's (64)")
     parser.add_argument("--n-steps", type=int, default=None, help="default: the config's (256)")
     parser.add_argument("--n-minibatches", type=int, default=None)
@@ -58,6 +62,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fused-adam", action="store_true", help="fused Adam for the rlseq variants")
     parser.add_argument("--cuda-graph", action="store_true", help="CUDA-graph acting for the rlseq variants (GPU)")
     parser.add_argument("--channels-last", action="store_true", help="NHWC layout for the rlseq variants' CNN")
+    parser.add_argument("--env-groups", type=int, default=1, metavar="G",
+                        help="env groups of the rlseq variants (option groupsG): one group's env step overlaps the "
+                             "others' acting")
 
 
 def _variant(name: str) -> str:
@@ -66,28 +73,39 @@ def _variant(name: str) -> str:
     if base not in VARIANTS:
         raise argparse.ArgumentTypeError(f"unknown variant {base!r}; valid: {', '.join(VARIANTS)}")
     for option in options:
-        if option not in OPTIONS:
-            raise argparse.ArgumentTypeError(f"unknown option {option!r} of {name}; valid: {', '.join(OPTIONS)}")
+        if option not in OPTIONS and _groups_option(option) is None:
+            raise argparse.ArgumentTypeError(f"unknown option {option!r} of {name}; valid: {', '.join(OPTIONS)} "
+                                             "(groupsG for any G >= 1)")
         if option != "tf32" and not base.startswith("rlseq-"):
             raise argparse.ArgumentTypeError(f"{option} applies to the rlseq variants only, not {base}")
     return name
 
 
+def _groups_option(option: str) -> int | None:
+    """G of a ``groupsG`` option (G >= 1), else None."""
+    count = option.removeprefix("groups")
+    return int(count) if option.startswith("groups") and count.isdigit() and int(count) >= 1 else None
+
+
 def settings(variant: str, args: argparse.Namespace) -> dict:
-    """``{"tf32", "amp", "fused_adam", "cuda_graph", "channels_last"}`` of one variant: the flags plus its ``+``
-    options. Everything but TF32 only ever applies to the rlseq variants."""
+    """``{"tf32", "amp", "fused_adam", "cuda_graph", "channels_last", "env_groups"}`` of one variant: the flags
+    plus its ``+`` options. Everything but TF32 only ever applies to the rlseq variants."""
     base, *options = variant.split("+")
     rlseq = base.startswith("rlseq-")
+    groups = [g for g in map(_groups_option, options) if g is not None]
     return {"tf32": bool(args.tf32) or "tf32" in options,
             "amp": "bf16" if rlseq and (args.amp == "bf16" or "bf16" in options) else None,
             "fused_adam": rlseq and (bool(args.fused_adam) or "fused" in options),
             "cuda_graph": rlseq and (bool(args.cuda_graph) or "graph" in options),
-            "channels_last": rlseq and (bool(args.channels_last) or "nhwc" in options)}
+            "channels_last": rlseq and (bool(args.channels_last) or "nhwc" in options),
+            "env_groups": (groups[-1] if groups else args.env_groups) if rlseq else 1}
 
 
 def describe_settings(s: dict) -> str:
+    groups = s.get("env_groups", 1)
     return (f"TF32 {'on' if s['tf32'] else 'off'}, CNN {s['amp'] or 'fp32'}, Adam {'fused' if s['fused_adam'] else 'unfused'}, "
-            f"acting {'CUDA graph' if s.get('cuda_graph') else 'eager'}, CNN layout {'NHWC' if s.get('channels_last') else 'NCHW'}")
+            f"acting {'CUDA graph' if s.get('cuda_graph') else 'eager'}, CNN layout {'NHWC' if s.get('channels_last') else 'NCHW'}"
+            + (f", {groups} env groups" if groups > 1 else ""))
 
 
 def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None = None) -> dict:
@@ -97,7 +115,8 @@ def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None
     if speed is not None:  # always explicit, so a config file's amp / fused_adam cannot leak into the labels
         argv += ["--amp", speed["amp"] or "none", "--fused-adam" if speed["fused_adam"] else "--no-fused-adam",
                  "--cuda-graph" if speed["cuda_graph"] else "--no-cuda-graph",
-                 "--channels-last" if speed["channels_last"] else "--no-channels-last"]
+                 "--channels-last" if speed["channels_last"] else "--no-channels-last",
+                 "--env-groups", str(speed["env_groups"])]
     for flag in ("n_envs", "n_steps", "n_minibatches", "n_epochs", "num_threads"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
