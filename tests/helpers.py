@@ -1,4 +1,5 @@
-"""Random inputs for kernel tests: fresh every call, never zeros, with resets and extreme key norms."""
+"""Test helpers: random kernel inputs (fresh every call, never zeros, with resets and extreme key norms), the
+comparison of eager and CUDA-graph rollouts, and a tiny `bench train` call."""
 
 from __future__ import annotations
 
@@ -50,3 +51,22 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(x).all():
         return float("inf")
     return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def assert_same_rollouts(eager: list, graphed: list) -> None:
+    """Per rollout ``[actions, values, log_probs, episode_starts, memory state]``: actions and episode starts
+    equal, the floating tensors within 1e-5 (graph replay runs the same kernels; only reductions may reorder)."""
+    assert len(eager) == len(graphed)
+    for a_run, g_run in zip(eager, graphed):
+        assert torch.equal(a_run[0], g_run[0]) and torch.equal(a_run[3], g_run[3])
+        for a, b in zip(a_run[1:], g_run[1:]):
+            if a.dtype.is_floating_point:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def tiny_bench_train(variants: list[str], n_envs: int) -> None:
+    """``python -m rlseq.bench train`` on the CPU at a tiny size (8 steps, 2 minibatches, 1 epoch, 1 rollout)."""
+    from rlseq.bench.__main__ import main as bench_main
+
+    bench_main(["train", "--variants", *variants, "--n-envs", str(n_envs), "--n-steps", "8", "--n-minibatches", "2",
+                "--n-epochs", "1", "--num-threads", "0", "--warmup", "1", "--rollouts", "1", "--device", "cpu"])

@@ -17,6 +17,7 @@ from gymnasium import spaces
 
 from rlseq.algos.acting import ActingStep
 from rlseq.policies.actor_critic import MemoryPPOPolicy
+from tests.helpers import assert_same_rollouts
 
 MEMORY_KWARGS = {"efla": {"n_heads": 2, "head_dim": 16}, "deltanet": {"n_heads": 2, "head_dim": 16},
                  "lstm": {"hidden_size": 32}, "none": {}}
@@ -197,8 +198,4 @@ def test_training_with_graph_acting_reproduces_eager_acting(memory):
         assert (model._acting._graph is not None) == cuda_graph
         buffers.append(runs)
         env.close()
-    for eager, graphed in zip(*buffers):
-        assert torch.equal(eager[0], graphed[0]) and torch.equal(eager[3], graphed[3])
-        for a, b in zip(eager[1:], graphed[1:]):
-            if a.dtype.is_floating_point:
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_same_rollouts(*buffers)

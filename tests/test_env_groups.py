@@ -22,6 +22,7 @@ from rlseq.algos.buffer import SequenceRolloutBuffer
 from rlseq.envs import VecEnvGroups
 from rlseq.envs.groups import envs_per_group
 from rlseq.train import main as train_main
+from tests.helpers import assert_same_rollouts, tiny_bench_train
 
 MEMORY_KWARGS = {"efla": {"n_heads": 2, "head_dim": 16}, "lstm": {"hidden_size": 32}}
 
@@ -444,11 +445,7 @@ def test_pipelined_graph_acting_reproduces_pipelined_eager_acting(memory):
         assert len(model._group_acting) == 2 and all((a._graph is not None) == cuda_graph for a in model._group_acting)
         runs.append(rollouts)
         env.close()
-    for eager, graphed in zip(*runs):
-        assert torch.equal(eager[0], graphed[0]) and torch.equal(eager[3], graphed[3])
-        for a, b in zip(eager[1:], graphed[1:]):
-            if a.dtype.is_floating_point:
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert_same_rollouts(*runs)
 
 
 # --- the CLI and the benchmark -------------------------------------------------------------------------------
@@ -493,9 +490,7 @@ def test_cli_env_groups_trains_checkpoints_and_resumes_the_shared_statistic(tmp_
 def test_bench_train_times_env_groups_as_a_variant_option(capsys):
     from rlseq.bench.__main__ import main as bench_main
 
-    bench_main(["train", "--variants", "rlseq-none", "rlseq-none+groups2", "--n-envs", "4", "--n-steps", "8",
-                "--n-minibatches", "2", "--n-epochs", "1", "--num-threads", "0", "--warmup", "1", "--rollouts", "1",
-                "--device", "cpu"])
+    tiny_bench_train(["rlseq-none", "rlseq-none+groups2"], n_envs=4)
     out = capsys.readouterr().out
     assert "rlseq-none+groups2 (TF32 off, CNN fp32, Adam unfused, acting eager, CNN layout NCHW, 2 env groups)" in out
     assert "| rlseq-none+groups2 |" in out

@@ -22,6 +22,7 @@ from stable_baselines3.common.logger import configure
 
 from rlseq.algos import MemoryPPO
 from rlseq.train import main as train_main
+from tests.helpers import tiny_bench_train
 
 MEMORY_KWARGS = {
     "efla": {"n_heads": 2, "head_dim": 16},
@@ -548,9 +549,7 @@ def test_cli_amp_and_fused_adam_are_saved_and_survive_resume(tmp_path, capsys):
 def test_bench_train_labels_the_speed_settings(capsys):
     from rlseq.bench.__main__ import main as bench_main
 
-    bench_main(["train", "--variants", "rlseq-none", "rlseq-none+bf16+fused+nhwc", "--n-envs", "2", "--n-steps", "8",
-                "--n-minibatches", "2", "--n-epochs", "1", "--num-threads", "0", "--warmup", "1", "--rollouts", "1",
-                "--device", "cpu"])
+    tiny_bench_train(["rlseq-none", "rlseq-none+bf16+fused+nhwc"], n_envs=2)
     out = capsys.readouterr().out
     assert "| variant (TF32 off, CNN fp32, Adam unfused, acting eager, CNN layout NCHW) |" in out
     assert "timing: round-robin, one rollout per variant per round" in out

@@ -162,24 +162,36 @@ def correctness(device, log, configs, rules=("efla", "deltanet"), shapes=SHAPES,
     return rows, worst
 
 
+def timed_problem(B, T, H, D, device):
+    """EFLA fp32 leaves at one shape (resets ~2%, key norms 1e-2..1e2; ``inputs``), an output gradient, and a
+    factory ``fns(cfg) -> (fwd_bwd, fwd_only)`` of ``chunk_triton`` calls on them with the config ``cfg``."""
+    inp = inputs(B, T, H, D, D, "efla", seed=1, device=device, reset_prob=0.02, norms=(1e-2, 1e2))
+    x = {n: inp[n].float().clone().requires_grad_() for n in FIELDS}
+    do = torch.randn(B, T, H, D, device=device)
+
+    def fns(cfg):
+        def fwd():
+            return chunk_triton(x["q"], x["k"], x["v"], x["beta"], rule="efla", initial_state=x["initial_state"],
+                                resets=inp["resets"], config=cfg)
+
+        def fwd_bwd():
+            o, s = fwd()
+            torch.autograd.backward([o, s], [do, torch.ones_like(s)])
+
+        def fwd_only():
+            with torch.no_grad():
+                fwd()
+        return fwd_bwd, fwd_only
+    return x, fns
+
+
 def timing(device, log, configs, shapes):
     import triton.testing
 
     out = []
     for (B, T, H, D), cfg in itertools.product(shapes, configs):
-        inp = inputs(B, T, H, D, D, "efla", seed=1, device=device, reset_prob=0.02, norms=(1e-2, 1e2))
-        x = {n: inp[n].float().clone().requires_grad_() for n in FIELDS}
-        do = torch.randn(B, T, H, D, device=device)
-
-        def fb():
-            o, s = chunk_triton(x["q"], x["k"], x["v"], x["beta"], rule="efla", initial_state=x["initial_state"],
-                                resets=inp["resets"], config=cfg)
-            torch.autograd.backward([o, s], [do, torch.ones_like(s)])
-
-        def f():
-            with torch.no_grad():
-                chunk_triton(x["q"], x["k"], x["v"], x["beta"], rule="efla", initial_state=x["initial_state"],
-                             resets=inp["resets"], config=cfg)
+        x, fns = timed_problem(B, T, H, D, device)
+        fb, f = fns(cfg)
         try:
             tf = triton.testing.do_bench(f, warmup=20, rep=80, return_mode="median")
             tfb = triton.testing.do_bench(fb, warmup=20, rep=80, return_mode="median", grad_to_none=list(x.values()))
@@ -411,21 +423,9 @@ def time_candidates(device, names, shapes, log, fla) -> list:
 
     rows = []
     for B, T, H, D in shapes:
-        inp = inputs(B, T, H, D, D, "efla", seed=1, device=device, reset_prob=0.02, norms=(1e-2, 1e2))
-        x = {n: inp[n].float().clone().requires_grad_() for n in FIELDS}
-        do = torch.randn(B, T, H, D, device=device)
+        x, fns = timed_problem(B, T, H, D, device)
         for name in names:
-            def fwd(cfg=CANDIDATES[name]):
-                return chunk_triton(x["q"], x["k"], x["v"], x["beta"], rule="efla", initial_state=x["initial_state"],
-                                    resets=inp["resets"], config=cfg)
-
-            def fb():
-                o, s = fwd()
-                torch.autograd.backward([o, s], [do, torch.ones_like(s)])
-
-            def f():
-                with torch.no_grad():
-                    fwd()
+            fb, f = fns(CANDIDATES[name])
             try:
                 LAST_COMPILED.clear()
                 tfb = triton.testing.do_bench(fb, warmup=25, rep=100, return_mode="median", grad_to_none=list(x.values()))
@@ -463,14 +463,8 @@ def kernel_breakdown(device, names, shapes, iters: int = 20) -> None:
     print("| shape (B,T,H,D) | candidate | fwd+bwd ms (wall) | kernel | device ms per call |")
     print("|---|---|---|---|---|")
     for (B, T, H, D), name in itertools.product(shapes, names):
-        inp = inputs(B, T, H, D, D, "efla", seed=1, device=device, reset_prob=0.02, norms=(1e-2, 1e2))
-        x = {n: inp[n].float().clone().requires_grad_() for n in FIELDS}
-        do = torch.randn(B, T, H, D, device=device)
-
-        def fb():
-            o, s = chunk_triton(x["q"], x["k"], x["v"], x["beta"], rule="efla", initial_state=x["initial_state"],
-                                resets=inp["resets"], config=CANDIDATES[name])
-            torch.autograd.backward([o, s], [do, torch.ones_like(s)])
+        x, fns = timed_problem(B, T, H, D, device)
+        fb, _ = fns(CANDIDATES[name])
         LAST_COMPILED.clear()
         wall = triton.testing.do_bench(fb, warmup=25, rep=100, return_mode="median", grad_to_none=list(x.values()))
         print(f"| {(B, T, H, D)} | {name} | {wall:.3f} | resources | {resources()} |", flush=True)
