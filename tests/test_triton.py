@@ -256,6 +256,19 @@ def test_chunk_config_validation():
         triton_ops.chunk_triton(x, x, x, x[..., 0], rule="efla", config=dict(prec="fp32"))
 
 
+def test_default_dot_precision_follows_the_input_dtype():
+    """fp32 inputs keep fp32-accurate dots (3xTF32 or FMA); bf16/fp16 inputs get one TF32 pass from D64 (the
+    interpreter ignores input_precision: the GPU checks its accuracy, docs/benchmarks.md v4)."""
+    from rlseq.kernels.triton_chunk import default_config
+
+    for K, V in ((64, 64), (128, 128), (64, 128)):
+        assert default_config(256, K, V, 8, 4)["prec"] == "tf32x3"
+        for dt in (torch.bfloat16, torch.float16):
+            assert default_config(256, K, V, 8, 4, dt)["prec"] == "tf32"
+    for D in (16, 32):
+        assert default_config(256, D, D, 8, 4, torch.bfloat16)["prec"] == "ieee"
+
+
 def test_chunk_api_dispatch_and_no_grad_path():
     inp = _inputs(1, 18, 1, 16, 16, "efla", seed=4)
     x = {n: inp[n].float() for n in FIELDS}

@@ -315,11 +315,11 @@ CHECK_B, CHECK_T, CHECK_H = 2, 100, 4  # H as timed: H is a constexpr, so checks
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-def resolve(name, B, T, H, K, V) -> dict:
-    """The full config a candidate runs with at one shape (defaults depend on the shape)."""
+def resolve(name, B, T, H, K, V, dtype=torch.float32) -> dict:
+    """The full config a candidate runs with at one shape and input dtype (the defaults depend on both)."""
     from rlseq.kernels.triton_chunk import check_config, default_config
 
-    return check_config(dict(default_config(T, K, V, B, H), **CANDIDATES[name]))
+    return check_config(dict(default_config(T, K, V, B, H, dtype), **CANDIDATES[name]))
 
 
 def fp32_tol(cfg) -> float:
@@ -334,7 +334,7 @@ def check_jobs(names, dims=CHECK_DIMS) -> list:
     for name, D, rule, dt in itertools.product(names, dims, ("efla", "deltanet"), DTYPES):
         seen = []
         for B in (8, 64) if dt == "float32" else (8,):
-            cfg = resolve(name, B, 256, CHECK_H, D, D)
+            cfg = resolve(name, B, 256, CHECK_H, D, D, DTYPES[dt])
             if cfg not in seen:
                 seen.append(cfg)
                 jobs.append((name, rule, dt, D, cfg))

@@ -302,12 +302,14 @@ LAST_COMPILED: dict = {}
 PRECISIONS = ("ieee", "tf32x3", "tf32")
 
 
-def default_config(T: int, K: int, V: int, B: int | None = None, H: int | None = None) -> dict:
+def default_config(T: int, K: int, V: int, B: int | None = None, H: int | None = None,
+                   dtype: torch.dtype = torch.float32) -> dict:
     """The launch config; every key can be overridden through ``chunk_triton(config=...)``:
 
     - ``chunk_size`` ∈ {16, 32, 64}; ``mode`` ∈ {"inline", "prep"} (forward: P inside the walk, or by a first kernel);
     - ``prec``: ``input_precision`` of every ``tl.dot``: "ieee" (fp32 FMA), "tf32x3" (3 TF32 tensor-core products,
-      ~fp32 accurate) or "tf32" (one, ~1e-3 relative error);
+      ~fp32 accurate) or "tf32" (one, ~1e-3 relative error), the default from D64 for bf16/fp16 inputs
+      (``dtype``), whose own rounding is of that order;
     - ``block_v``: V block of the forward (a power of two ≥ 16; None or ≥ V: one block); ``block_v_bwd``: of the
       backward (fused or V side), None = ``block_v``;
     - ``num_warps`` (forward and prep), ``num_warps_bwd`` (fused backward or V side; None = ``num_warps``);
@@ -341,6 +343,10 @@ def default_config(T: int, K: int, V: int, B: int | None = None, H: int | None =
         # vs 0.22 at B16 T1024); the K side at 4 warps (1 program per SM at 8 warps and 241 regs): 0.394 -> 0.203.
         # D128 (B8): fwd+bwd replayed from a CUDA graph 0.80 -> 0.31 ms.
         cfg.update(mode="prep", num_stages=2, block_v=32, kside_warps=4)
+    if big and dtype in (torch.bfloat16, torch.float16):
+        # bf16 inputs carry ~2e-3 relative rounding already: one TF32 pass (~1e-3) keeps them within the 1e-2
+        # budget at a third of the tensor-core work
+        cfg["prec"] = "tf32"
     return cfg
 
 

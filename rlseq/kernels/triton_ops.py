@@ -47,7 +47,7 @@ def chunk_triton(
     V = v.shape[-1]
     if max(K, V) > MAX_HEAD_DIM:
         raise ValueError(f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got K={K}, V={V}")
-    cfg = default_config(T, K, V, B, H)
+    cfg = default_config(T, K, V, B, H, q.dtype)
     if config:
         cfg = check_config(dict(cfg, **config))
     q, k, v, beta = (_contig(x) for x in (q, k, v, beta))
