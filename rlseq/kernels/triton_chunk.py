@@ -336,7 +336,7 @@ def default_config(T: int, K: int, V: int, B: int | None = None, H: int | None =
     cfg = dict(chunk_size=bt, num_warps=nw, num_stages=1, mode="inline", prec="tf32x3" if big else "ieee",
                block_v=block_v, bwd="split" if big else "fused", block_v_bwd=None, num_warps_bwd=None,
                kside_block_v=32, kside_warps=8, kside_prec=None, num_stages_bwd=None, kside_stages=None)
-    if big and bk >= 64 and bv >= 64:
+    if bk >= 64 and bv >= 64:
         # v4, device time per kernel on an H100 (gpu_check --breakdown; B64 / B8 / B16 T1024): P of all chunks in
         # parallel first, then a walk pipelined over 2 stages: fwd 0.293 -> 0.046 + 0.137 ms at B64, 0.165 ->
         # 0.064 at B8; V blocks of 32 in the forward and the V side at every B (BV16: fwd 0.29 at B64, V side 0.27
