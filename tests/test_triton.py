@@ -193,13 +193,14 @@ def test_chunk_block_v_validation():
 # The interpreter computes every tl.dot in fp32 whatever input_precision says: these tests check the plumbing and
 # the split backward's math; the precision itself is checked on the GPU (python -m rlseq.bench.gpu_check --candidates).
 
-SPLIT = dict(bwd="split", block_v=16, kside_block_v=16)
+SPLIT = dict(bwd="split", mode="prep", block_v=16, kside_block_v=16)
 
 
 @pytest.mark.parametrize("rule", ["efla", "deltanet"])
 def test_chunk_split_backward_v_blocks(rule):
-    """V side in 4 blocks of 16 over V=48 padded to 64 (the last empty), K side in 3 tiles of 16; K ≠ V, resets,
-    zero keys, key norms 1e-4..1e4, T not a multiple of the chunk; every gradient against the float64 oracle."""
+    """V side in 3 blocks of 16 over V=48 (their partials of D dSᵀ summed on the K side), K side in 3 tiles of 16;
+    K ≠ V, resets, zero keys, key norms 1e-4..1e4, T not a multiple of the chunk; every gradient against the
+    float64 oracle."""
     _check(_inputs(2, 37, 1, 24, 48, rule, seed=31), rule, torch.float32, config=SPLIT)
 
 
@@ -248,9 +249,11 @@ def test_chunk_config_validation():
 
     base = default_config(64, 16, 16)
     for bad in (dict(prec="tf32x2"), dict(kside_prec="bf16"), dict(bwd="splt"), dict(mode="x"), dict(chunk_size=8), dict(kside_block_v=24),
-                dict(block_v_bwd=8), dict(warps=4)):
+                dict(block_v_bwd=8), dict(warps=4), dict(bwd="split", mode="inline"), dict(fwd_maxnreg=300),
+                dict(kside_maxnreg=64.0)):
         with pytest.raises(ValueError):
             check_config(dict(base, **bad))
+    assert check_config(dict(base, bwd="split", mode="prep", kside_maxnreg=168))["kside_maxnreg"] == 168
     x = torch.zeros(1, 4, 1, 16)
     with pytest.raises(ValueError):
         triton_ops.chunk_triton(x, x, x, x[..., 0], rule="efla", config=dict(prec="fp32"))

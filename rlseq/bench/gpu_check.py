@@ -91,6 +91,11 @@ def describe(cfg, T=256, K=64, V=64, B=None, H=None) -> str:
     full = dict(default_config(T, K, V, B, H), **(cfg or {}))
     text = (f"C{full['chunk_size']} BV{_block_v(full, V)} w{full['num_warps']} s{full['num_stages']} "
             f"{full['mode']} {full['prec']} {full['bwd']}")
+    for key, tag in (("fwd_maxnreg", "fwd regs<="), ("bwd_maxnreg", "bwd regs<="), ("kside_maxnreg", "K side regs<=")):
+        if full.get(key):
+            text += f" {tag}{full[key]}"
+    if full["mode"] == "prep" and (full["prep_warps"] or full["prep_stages"]):
+        text += f" (prep w{full['prep_warps'] or full['num_warps']} s{full['prep_stages'] or full['num_stages']})"
     if full["bwd"] == "split":
         sv = full["num_stages_bwd"] or full["num_stages"]
         text += (f" (V side BV{_block_v(full, V, 'block_v_bwd')} w{full['num_warps_bwd'] or full['num_warps']} s{sv}, "
@@ -265,51 +270,49 @@ def warm(device, i, n, configs, fla=True) -> None:
 # below: the fused backward with FMA dots)
 CANDIDATES = {
     "default": {},
-    # the default at D64 before v4: inline P, one stage, K side at 8 warps, V blocks of 16 (B8, B16) or 32 (B64)
-    "v3": dict(mode="inline", num_stages=1, block_v=16, kside_warps=8),
-    "v3-bv32": dict(mode="inline", num_stages=1, block_v=32, kside_warps=8),
-    "fused-ieee": dict(bwd="fused", prec="ieee", kside_warps=4),  # the default before v3 (and below D64 now)
-    "fused-w8": dict(bwd="fused", prec="ieee", num_warps=8),
+    # the fused backward (one kernel per (sequence·head, V block)): the default below D64; at D64 before v3
+    "fused-ieee": dict(bwd="fused", prec="ieee", kside_warps=4),
     "fused-tf32x3": dict(bwd="fused", prec="tf32x3"),
-    "fused-tf32x3-w8": dict(bwd="fused", prec="tf32x3", num_warps=8),
-    "fused-tf32": dict(bwd="fused", prec="tf32", num_warps=8),  # over the fp32 budget (2.3e-3 on the H200): a speed bound
-    # split backward with the K side in fp32 FMA at 8 warps (0 spills on sm_90), or all dots 3xTF32 (the default)
-    "split": dict(bwd="split", prec="ieee", num_warps=8),
-    "split-tf32x3": dict(bwd="split", prec="tf32x3", kside_prec="ieee"),
-    "split-tf32x3-w8": dict(bwd="split", prec="tf32x3", kside_prec="ieee", num_warps=8),
-    "split-tf32x3-bv32": dict(bwd="split", prec="tf32x3", kside_prec="ieee", block_v=32, block_v_bwd=32, num_warps=8),
-    "split-tf32x3-bwd64": dict(bwd="split", prec="tf32x3", kside_prec="ieee", block_v_bwd=64, num_warps_bwd=8),
-    "split-tf32x3-c16": dict(bwd="split", prec="tf32x3", kside_prec="ieee", chunk_size=16),
-    "split-tf32x3-all": dict(bwd="split", prec="tf32x3"),
-    "split-tf32x3-all-bv32": dict(bwd="split", prec="tf32x3", block_v=32, block_v_bwd=32, num_warps=8),
-    "split-tf32": dict(bwd="split", prec="tf32"),
-    # the default's split backward with P computed for all chunks in parallel first, and/or software pipelining
-    "prep": dict(mode="prep"),
-    "stages2": dict(num_stages=2),
-    "prep-stages2": dict(mode="prep", num_stages=2),
-    "stages3": dict(num_stages=3),
-    # K side of the split backward: V tile, warps, pipelining (1 program per SM at w8 with 241 regs)
-    "prep2-ks64": dict(mode="prep", num_stages=2, kside_block_v=64),
-    "prep2-ks64-w4": dict(mode="prep", num_stages=2, kside_block_v=64, kside_warps=4),
-    "prep2-ks16-w4": dict(mode="prep", num_stages=2, kside_block_v=16, kside_warps=4),
-    "prep2-ks32-s3": dict(mode="prep", num_stages=2, kside_stages=3),
-    "prep2-ks16-s3": dict(mode="prep", num_stages=2, kside_block_v=16, kside_stages=3),
-    "prep2-ks32-ieee": dict(mode="prep", num_stages=2, kside_prec="ieee"),
-    "prep2-ks64-ieee-w4": dict(mode="prep", num_stages=2, kside_prec="ieee", kside_block_v=64, kside_warps=4),
+    "fused-inline": dict(bwd="fused", mode="inline", num_stages=1),
+    # the split backward needs the prep kernel (v5): FMA dots, or one TF32 pass (over the fp32 budget: a speed bound)
+    "split-ieee": dict(bwd="split", mode="prep", prec="ieee", num_warps=8),
+    "split-tf32": dict(bwd="split", mode="prep", prec="tf32"),
+    # around the D64 default (prep, 2 stages, BV32, K side BV32 w4): V blocks, warps and stages per kernel
+    "p2k4-fbv16": dict(block_v=16, block_v_bwd=32),
+    "p2k4-vbv16": dict(block_v=32, block_v_bwd=16),
+    "p2k4-vw8": dict(num_warps_bwd=8),
+    "p2k4-fw8": dict(num_warps=8, num_warps_bwd=4),
+    "p2k4-kw8": dict(kside_warps=8),
+    "p2k4-ks64": dict(kside_block_v=64),
+    "p2k4-ks16": dict(kside_block_v=16),
+    "p2k4-ks1": dict(kside_stages=1),
+    "p2k4-ks3": dict(kside_stages=3),
+    "p2k4-s1": dict(num_stages=1),
+    "p2k4-s3": dict(num_stages=3, num_stages_bwd=2, kside_stages=2),
+    "p2k4-ksieee": dict(kside_prec="ieee"),
+    # the prep kernel (P, A2, M, Qe, Kp of every chunk; 16x16 tiles): fewer warps per program, more programs per SM
+    # (v5 H100 B64, prep ms: 4 warps 0.103, 2 warps 0.066, 1 warp 0.058, 1 warp 1 stage 0.057: the default)
+    "pw2": dict(prep_warps=2),
+    "pw1s2": dict(prep_stages=2),
+    # 2 warps per walk or K-side program: fewer registers per program, more programs per SM
+    "fw2": dict(num_warps=2, num_warps_bwd=4),
+    "fvw2": dict(num_warps=2),
+    "vw2": dict(num_warps_bwd=2),
+    "kw2": dict(kside_warps=2),
+    "allw2": dict(num_warps=2, kside_warps=2),
+    # register caps: <= 168 regs fit 3 programs of 4 warps per SM, <= 128 fit 4 (the walks and the K side at ~255: 2).
+    # v5 H100, B64 device ms: fwd 0.123 -> 0.113 (r128, 34 bytes of spills; B8 0.036 -> 0.048), V side 0.136 -> 0.156
+    # (128) / 0.187 (168), K side 0.194 -> 0.214 (168) / 0.268 (128)
+    "fr128": dict(fwd_maxnreg=128),
+    "vr128": dict(bwd_maxnreg=128),
+    "kr168": dict(kside_maxnreg=168),
+    # (v5, tried: the K side as a pipelined loop over 1, 2 or 4 chunks per program with its V loop unrolled: 108
+    # bytes of spills, 0.210-0.220 ms against 0.194 at B64)
+    # chunks of 32 (v4 kernels, H100: spills in every kernel, 1.3-1.8x slower at D64)
+    "c32": dict(chunk_size=32),
+    # the D64 default at the head dims where the default is the fused one
+    "d64-tuned": dict(mode="prep", num_stages=2, block_v=32, kside_warps=4, bwd="split", prec="tf32x3"),
 }
-# around the best of those at B64 (prep, 2 stages, K side BV32 w4): V blocks, warps and stages per kernel
-_P2K4 = dict(mode="prep", num_stages=2, kside_warps=4)
-CANDIDATES.update({
-    "d64-tuned": dict(_P2K4, block_v=32),  # the D64 default of v4, at other head dims
-    "p2k4-fbv16": dict(_P2K4, block_v=16, block_v_bwd=32),
-    "p2k4-vbv16": dict(_P2K4, block_v=32, block_v_bwd=16),
-    "p2k4-vw8": dict(_P2K4, num_warps_bwd=8),
-    "p2k4-fw8": dict(_P2K4, num_warps=8, num_warps_bwd=4),
-    "p2k4-ks1": dict(_P2K4, kside_stages=1),
-    "p2k4-ks3": dict(_P2K4, kside_stages=3),
-    "p2k4-vs3": dict(_P2K4, num_stages_bwd=3, kside_stages=2),
-    "p2k4-fs3": dict(_P2K4, num_stages=3, num_stages_bwd=2, kside_stages=2),
-})
 TIME_SHAPES = [(8, 256, 4, 64), (64, 256, 4, 64), (8, 256, 4, 32), (64, 256, 4, 16), (16, 1024, 4, 64)]
 CHECK_DIMS = (64, 32)
 CHECK_B, CHECK_T, CHECK_H = 2, 100, 4  # H as timed: H is a constexpr, so checks and timing share compiled kernels
@@ -565,9 +568,9 @@ def ptxas_report(names, shapes, arch=90) -> None:
             inp = {n: t.float() for n, t in inputs(1, 2 * cfg["chunk_size"], H, D, D, "efla", 0, "cpu").items()
                    if n != "resets"}
             resets = torch.zeros(1, 2 * cfg["chunk_size"], dtype=torch.bool)
-            _, ht, hs, ps, dbuf = tc.chunk_fwd(inp["q"], inp["k"], inp["v"], inp["beta"], resets, inp["initial_state"],
-                                               efla=True, save=True, cfg=cfg)
-            tc.chunk_bwd(inp["q"], inp["k"], inp["v"], inp["beta"], resets, hs, ps, dbuf, torch.zeros_like(inp["v"]),
+            _, ht, saved_fwd = tc.chunk_fwd(inp["q"], inp["k"], inp["v"], inp["beta"], resets, inp["initial_state"],
+                                            efla=True, save=True, cfg=cfg)
+            tc.chunk_bwd(inp["q"], inp["k"], inp["v"], inp["beta"], resets, saved_fwd, torch.zeros_like(inp["v"]),
                          ht, efla=True, cfg=cfg)
         finally:
             for n in kernels:

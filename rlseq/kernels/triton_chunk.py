@@ -101,21 +101,43 @@ def _state_tile(ptr, bh, off_s, m_s, HAS: tl.constexpr, K: tl.constexpr, V: tl.c
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
-def chunk_prep_kernel(k, beta, resets, ps, T, NT, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
-                      BK: tl.constexpr, EFLA: tl.constexpr, HAS_RESETS: tl.constexpr, PREC: tl.constexpr):
-    """``P = (I + A)^{-1}`` of every chunk, one program per (sequence·head, chunk)."""
+def chunk_prep_kernel(q, k, beta, resets, ps, a2s, ms, qes, kps, T, NT, H: tl.constexpr, K: tl.constexpr,
+                      BT: tl.constexpr, BK: tl.constexpr, EFLA: tl.constexpr, HAS_RESETS: tl.constexpr,
+                      SAVE_KP: tl.constexpr, PREC: tl.constexpr):
+    """The key side of every chunk, one program per (sequence·head, chunk), for the walks that follow::
+
+        P = (I + A)^{-1},  Lq = Lower(Q K̂ᵀ) ⊙ same,  A2 = Lq P,  M = P diag(g·sees) K̂,  Qe = diag(sees) Q − Lq M,
+        Kp = Pᵀ diag(last) K̂   (SAVE_KP, for the split backward's V side)
+
+    so that the forward's walk is ``D = P (sV) − M S₀``, ``O = Qe S₀ + A2 (sV)``, ``S₁ = carry S₀ + K̂ᵀ diag(last) D``
+    and the V side's is ``dR = A2ᵀ dO + Kp dS``. P, A2: ``[B·H, NT, BT, BT]``; M, Qe, Kp: ``[B·H, NT, BT, K]``."""
     bh = tl.program_id(0)
     n = tl.program_id(1)
-    _, _, kh, _, _, g, _, seg, _, _, _, _, _, _ = _load_keys(
-        k, k, beta, resets, bh // H, bh % H, n * BT, T, H, K, BT, BK, EFLA, HAS_RESETS)
+    q_c, _, kh, _, _, g, _, seg, sees, last, _, _, _, _ = _load_keys(
+        q, k, beta, resets, bh // H, bh % H, n * BT, T, H, K, BT, BK, EFLA, HAS_RESETS)
+    rt = tl.arange(0, BT)
+    rk = tl.arange(0, BK)
+    same = seg[:, None] == seg[None, :]
     kk = tl.dot(kh, tl.trans(kh), input_precision=PREC)
     p = tril_inverse(kk, g, seg, BT)
-    rt = tl.arange(0, BT)
-    tl.store(ps + ((bh.to(tl.int64) * NT + n) * BT + rt[:, None]) * BT + rt[None, :], p)
+    lq = tl.where((rt[:, None] >= rt[None, :]) & same, tl.dot(q_c, tl.trans(kh), input_precision=PREC), 0.0)
+    m = tl.dot(p, (g * sees)[:, None] * kh, input_precision=PREC)
+    qe = sees[:, None] * q_c - tl.dot(lq, m, input_precision=PREC)
+    c = bh.to(tl.int64) * NT + n
+    off_p = (c * BT + rt[:, None]) * BT + rt[None, :]
+    off_k = (c * BT + rt[:, None]) * K + rk[None, :]
+    m_k = (rk < K)[None, :]
+    tl.store(ps + off_p, p)
+    tl.store(a2s + off_p, tl.dot(lq, p, input_precision=PREC))
+    tl.store(ms + off_k, m, mask=m_k)
+    tl.store(qes + off_k, qe, mask=m_k)
+    if SAVE_KP:
+        tl.store(kps + off_k, tl.dot(tl.trans(p), last[:, None] * kh, input_precision=PREC), mask=m_k)
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
-def chunk_fwd_kernel(q, k, v, beta, resets, h0, o, ht, hs, ps, dbuf, T, NT, H: tl.constexpr, K: tl.constexpr,
+def chunk_fwd_kernel(q, k, v, beta, resets, h0, o, ht, hs, ps, a2s, ms, qes, dbuf, T, NT, H: tl.constexpr,
+                     K: tl.constexpr,
                      V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, EFLA: tl.constexpr,
                      HAS_RESETS: tl.constexpr, HAS_H0: tl.constexpr, SAVE_STATES: tl.constexpr,
                      LOAD_P: tl.constexpr, SAVE_P: tl.constexpr, SAVE_D: tl.constexpr, PREC: tl.constexpr):
@@ -131,21 +153,26 @@ def chunk_fwd_kernel(q, k, v, beta, resets, h0, o, ht, hs, ps, dbuf, T, NT, H: t
         if SAVE_STATES:
             tl.store(hs + c * K * V + off_s, state, mask=m_s)
         off_p = (c * BT + rt[:, None]) * BT + rt[None, :]
-        if LOAD_P:
+        if LOAD_P:  # the prep kernel's key side: two products on the state, one of them on the critical path
+            off_k = (c * BT + rt[:, None]) * K + rk[None, :]
+            m_k = (rk < K)[None, :]
             p = tl.load(ps + off_p)
+            sv = s[:, None] * v_c
+            d = tl.dot(p, sv, input_precision=PREC) - tl.dot(tl.load(ms + off_k, mask=m_k, other=0.0), state,
+                                                              input_precision=PREC)
+            o_c = tl.dot(tl.load(qes + off_k, mask=m_k, other=0.0), state, input_precision=PREC) \
+                + tl.dot(tl.load(a2s + off_p), sv, input_precision=PREC)
         else:
             kk = tl.dot(kh, tl.trans(kh), input_precision=PREC)
             p = tril_inverse(kk, g, seg, BT)
             if SAVE_P:  # every V block computes the same P; the first one saves it
                 tl.store(ps + off_p, p, mask=((rt[:, None] + rt[None, :]) * 0 + vb) == 0)
-        ks = tl.dot(kh, state, input_precision=PREC)
-        r_c = s[:, None] * v_c - (g * sees)[:, None] * ks
-        d = tl.dot(p, r_c, input_precision=PREC)
+            ks = tl.dot(kh, state, input_precision=PREC)
+            d = tl.dot(p, s[:, None] * v_c - (g * sees)[:, None] * ks, input_precision=PREC)
+            qk = tl.where(lower & (seg[:, None] == seg[None, :]), tl.dot(q_c, tl.trans(kh), input_precision=PREC), 0.0)
+            o_c = sees[:, None] * tl.dot(q_c, state, input_precision=PREC) + tl.dot(qk, d, input_precision=PREC)
         if SAVE_D:
             tl.store(dbuf + (c * BT + rt[:, None]) * V + rv[None, :], d, mask=(rv < V)[None, :])
-        same = seg[:, None] == seg[None, :]
-        qk = tl.where(lower & same, tl.dot(q_c, tl.trans(kh), input_precision=PREC), 0.0)
-        o_c = sees[:, None] * tl.dot(q_c, state, input_precision=PREC) + tl.dot(qk, d, input_precision=PREC)
         tl.store(o + row[:, None] * V + rv[None, :], o_c.to(o.dtype.element_ty), mask=mt[:, None] & (rv < V)[None, :])
         state = carry * state + tl.dot(tl.trans(kh), last[:, None] * d, input_precision=PREC)
     tl.store(ht + bh.to(tl.int64) * K * V + off_s, state, mask=m_s)
@@ -202,27 +229,33 @@ def chunk_bwd_kernel(q, k, v, beta, resets, hs, ps, do, dht, dq, dk, dv, dbeta, 
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
-def chunk_bwd_v_kernel(q, k, beta, resets, ps, do, dht, dv, drbuf, dsbuf, dh0, T, NT, H: tl.constexpr,
+def chunk_bwd_v_kernel(q, k, beta, resets, a2s, kps, dbuf, do, dht, dv, drbuf, ddsbuf, dh0, T, NT, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                        EFLA: tl.constexpr, HAS_RESETS: tl.constexpr, HAS_DHT: tl.constexpr, PREC: tl.constexpr):
     """Split backward, V side: one program per (sequence·head, V block) walks the chunks in reverse with its
-    columns of dS on chip. Per chunk: ``dD = (Lower(QK̂ᵀ) ⊙ same)ᵀ dO + diag(last) K̂ dS``, ``dR = Pᵀ dD``,
-    ``dv = s dR`` (exact), and it saves ``dR → drbuf [B·H, NT·BT, V]`` and the chunk's exit ``dS → dsbuf
-    [B·H, NT, K, V]`` for the K side, before ``dS ← carry dS + Qᵀ diag(sees) dO − K̂ᵀ diag(g sees) dR``."""
+    columns of dS on chip. Per chunk, with the prep kernel's ``A2 = Lq P`` and ``Kp = Pᵀ diag(last) K̂``:
+    ``dR = Pᵀ dD = A2ᵀ dO + Kp dS`` (``dD = Lqᵀ dO + diag(last) K̂ dS``), ``dv = s dR`` (exact); it saves
+    ``dR → drbuf [B·H, NT·BT, V]`` and this block's part of ``D dSᵀ → ddsbuf [n_vblocks, B·H, NT·BT, K]`` (the exit
+    dS's only use on the K side; a [BT, K] partial instead of the [K, V] dS) before
+    ``dS ← carry dS + Qᵀ diag(sees) dO − K̂ᵀ diag(g sees) dR``."""
     bh, vb, b, h, rt, rk, rv, m_s, off_s, lower = _vblock(H, K, V, BT, BK, BV)
     ds = _state_tile(dht, bh, off_s, m_s, HAS_DHT, K, V, BK, BV)
+    part = vb.to(tl.int64) * tl.num_programs(0).to(tl.int64) * NT * BT * K
     for i in range(NT):
         n = NT - 1 - i
         c = bh.to(tl.int64) * NT + n
         q_c, _, kh, _, _, g, s, seg, sees, last, carry, row, _, mt = _load_keys(
             q, k, beta, resets, b, h, n * BT, T, H, K, BT, BK, EFLA, HAS_RESETS)
         do_c = _load_cols(do, row, mt, vb * BV, V, BV)
-        p = tl.load(ps + (c * BT + rt[:, None]) * BT + rt[None, :])
-        qk = tl.where(lower & (seg[:, None] == seg[None, :]), tl.dot(q_c, tl.trans(kh), input_precision=PREC), 0.0)
-        dd = tl.dot(tl.trans(qk), do_c, input_precision=PREC) + last[:, None] * tl.dot(kh, ds, input_precision=PREC)
-        dr = tl.dot(tl.trans(p), dd, input_precision=PREC)
-        tl.store(dsbuf + c * K * V + off_s, ds, mask=m_s)
-        tl.store(drbuf + (c * BT + rt[:, None]) * V + rv[None, :], dr, mask=(rv < V)[None, :])
+        off_k = (c * BT + rt[:, None]) * K + rk[None, :]
+        m_k = (rk < K)[None, :]
+        a2 = tl.load(a2s + (c * BT + rt[:, None]) * BT + rt[None, :])
+        dr = tl.dot(tl.trans(a2), do_c, input_precision=PREC) \
+            + tl.dot(tl.load(kps + off_k, mask=m_k, other=0.0), ds, input_precision=PREC)
+        off_c = (c * BT + rt[:, None]) * V + rv[None, :]
+        d = tl.load(dbuf + off_c, mask=(rv < V)[None, :], other=0.0)
+        tl.store(ddsbuf + part + off_k, tl.dot(d, tl.trans(ds), input_precision=PREC), mask=m_k)
+        tl.store(drbuf + off_c, dr, mask=(rv < V)[None, :])
         tl.store(dv + row[:, None] * V + rv[None, :], (s[:, None] * dr).to(dv.dtype.element_ty),
                  mask=mt[:, None] & (rv < V)[None, :])
         ds = carry * ds + tl.dot(tl.trans(q_c), sees[:, None] * do_c, input_precision=PREC) \
@@ -231,11 +264,12 @@ def chunk_bwd_v_kernel(q, k, beta, resets, ps, do, dht, dv, drbuf, dsbuf, dh0, T
 
 
 @triton.jit(do_not_specialize=["T", "NT"])
-def chunk_bwd_k_kernel(q, k, v, beta, resets, hs, dbuf, drbuf, dsbuf, do, dq, dk, dbeta, T, NT, H: tl.constexpr,
+def chunk_bwd_k_kernel(q, k, v, beta, resets, hs, dbuf, drbuf, ddsbuf, do, dq, dk, dbeta, T, NT, H: tl.constexpr,
                        K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       EFLA: tl.constexpr, HAS_RESETS: tl.constexpr, PREC: tl.constexpr):
+                       NVV: tl.constexpr, EFLA: tl.constexpr, HAS_RESETS: tl.constexpr, PREC: tl.constexpr):
     """Split backward, K side: one program per (sequence·head, chunk), all chunks in parallel (no recurrence).
-    From the saved S₀ (hs), D (dbuf), dR (drbuf) and exit dS (dsbuf) it sums over V in tiles of BV::
+    From the saved S₀ (hs), D (dbuf), dR (drbuf) it sums over V in tiles of BV, and adds the V side's ``NVV``
+    partials of ``D dSᵀ`` (ddsbuf, dS the chunk's exit gradient)::
 
         dQK = Lower(dO Dᵀ) ⊙ same,   dA = −StrictLower(dR Dᵀ) ⊙ same
         dq  = dQK K̂ + diag(sees) dO S₀ᵀ
@@ -256,9 +290,13 @@ def chunk_bwd_k_kernel(q, k, v, beta, resets, hs, dbuf, drbuf, dsbuf, do, dq, dk
     da = tl.zeros([BT, BT], dtype=tl.float32)
     dos0 = tl.zeros([BT, BK], dtype=tl.float32)
     drs0 = tl.zeros([BT, BK], dtype=tl.float32)
-    dds = tl.zeros([BT, BK], dtype=tl.float32)
     dsv = tl.zeros([BT], dtype=tl.float32)
     crow = c * BT + rt
+    off_k = crow[:, None] * K + rk[None, :]
+    m_k = (rk < K)[None, :]
+    dds = tl.load(ddsbuf + off_k, mask=m_k, other=0.0)
+    for j in range(1, NVV):
+        dds += tl.load(ddsbuf + j * tl.num_programs(0).to(tl.int64) * NT * BT * K + off_k, mask=m_k, other=0.0)
     for v0 in range(0, V, BV):
         rv = v0 + tl.arange(0, BV)
         m_s = (rk < K)[:, None] & (rv < V)[None, :]
@@ -268,12 +306,10 @@ def chunk_bwd_k_kernel(q, k, v, beta, resets, hs, dbuf, drbuf, dsbuf, do, dq, dk
         d_c = _load_cols(dbuf, crow, mt, v0, V, BV)
         dr_c = _load_cols(drbuf, crow, mt, v0, V, BV)
         s0 = tl.load(hs + off_s, mask=m_s, other=0.0)
-        dsx = tl.load(dsbuf + off_s, mask=m_s, other=0.0)
         dqk = tl.dot(do_c, tl.trans(d_c), dqk, input_precision=PREC)
         da = tl.dot(dr_c, tl.trans(d_c), da, input_precision=PREC)
         dos0 = tl.dot(do_c, tl.trans(s0), dos0, input_precision=PREC)
         drs0 = tl.dot(dr_c, tl.trans(s0), drs0, input_precision=PREC)
-        dds = tl.dot(d_c, tl.trans(dsx), dds, input_precision=PREC)
         dsv += tl.sum(dr_c * v_c, 1)
     same = seg[:, None] == seg[None, :]
     dqk = tl.where((rt[:, None] >= rt[None, :]) & same, dqk, 0.0)
@@ -312,9 +348,11 @@ def default_config(T: int, K: int, V: int, B: int | None = None, H: int | None =
       (``dtype``), whose own rounding is of that order;
     - ``block_v``: V block of the forward (a power of two ≥ 16; None or ≥ V: one block); ``block_v_bwd``: of the
       backward (fused or V side), None = ``block_v``;
-    - ``num_warps`` (forward and prep), ``num_warps_bwd`` (fused backward or V side; None = ``num_warps``);
-      ``num_stages`` (software pipelining of the loops: forward and prep), ``num_stages_bwd`` (fused backward or
-      V side) and ``kside_stages`` (K side), None = ``num_stages``;
+    - ``num_warps`` (forward), ``num_warps_bwd`` (fused backward or V side) and ``prep_warps`` (prep kernel), None =
+      ``num_warps``; ``num_stages`` (software pipelining of the loops: forward), ``num_stages_bwd`` (fused backward
+      or V side), ``kside_stages`` (K side) and ``prep_stages``, None = ``num_stages``; ``fwd_maxnreg``,
+      ``bwd_maxnreg`` (fused backward or V side) and ``kside_maxnreg``: a cap on registers per thread (more programs
+      per SM, at the risk of spills; None: the compiler's choice);
     - ``bwd`` ∈ {"fused", "split"}: one kernel per (sequence·head, V block) doing everything, or a V-side kernel
       (reverse walk: dS, dR, dv, dS₀) then a K-side kernel per (sequence·head, chunk) (dq, dk, dβ), whose V tile is
       ``kside_block_v``, warps ``kside_warps`` and dot precision ``kside_prec`` (None = ``prec``).
@@ -335,14 +373,18 @@ def default_config(T: int, K: int, V: int, B: int | None = None, H: int | None =
     big = bk * bv >= 64 * 64
     cfg = dict(chunk_size=bt, num_warps=nw, num_stages=1, mode="inline", prec="tf32x3" if big else "ieee",
                block_v=block_v, bwd="split" if big else "fused", block_v_bwd=None, num_warps_bwd=None,
-               kside_block_v=32, kside_warps=8, kside_prec=None, num_stages_bwd=None, kside_stages=None)
+               kside_block_v=32, kside_warps=8, kside_prec=None, num_stages_bwd=None, kside_stages=None,
+               prep_warps=None, prep_stages=None, fwd_maxnreg=None, bwd_maxnreg=None, kside_maxnreg=None)
     if bk >= 64 and bv >= 64:
         # v4, device time per kernel on an H100 (gpu_check --breakdown; B64 / B8 / B16 T1024): P of all chunks in
         # parallel first, then a walk pipelined over 2 stages: fwd 0.293 -> 0.046 + 0.137 ms at B64, 0.165 ->
         # 0.064 at B8; V blocks of 32 in the forward and the V side at every B (BV16: fwd 0.29 at B64, V side 0.27
         # vs 0.22 at B16 T1024); the K side at 4 warps (1 program per SM at 8 warps and 241 regs): 0.394 -> 0.203.
         # D128 (B8): fwd+bwd replayed from a CUDA graph 0.80 -> 0.31 ms.
-        cfg.update(mode="prep", num_stages=2, block_v=32, kside_warps=4)
+        # v5: the prep kernel also forms A2 = Lq P, M, Qe and Kp (the walks then have 2 dependent products per chunk,
+        # not 3); at 1 warp per (sequence·head, chunk) its 16x16 tiles need no cross-warp reductions: prep 0.103 ->
+        # 0.057 ms at B64, fwd+bwd replayed 0.546 (v4) -> 0.517 ms (same H100).
+        cfg.update(mode="prep", num_stages=2, block_v=32, kside_warps=4, prep_warps=1, prep_stages=1)
     if big and dtype in (torch.bfloat16, torch.float16):
         # bf16 inputs carry ~2e-3 relative rounding already: one TF32 pass (~1e-3) keeps them within the 1e-2
         # budget at a third of the tensor-core work
@@ -362,7 +404,18 @@ def check_config(cfg: dict) -> dict:
             raise ValueError(f"config {key}={cfg[key]!r}; valid: {valid}")
     for key in ("block_v", "block_v_bwd", "kside_block_v"):
         _block_v(cfg, 256, key)
+    for key in ("fwd_maxnreg", "bwd_maxnreg", "kside_maxnreg"):
+        if cfg[key] is not None and not (isinstance(cfg[key], int) and 16 <= cfg[key] <= 255):
+            raise ValueError(f"config {key}={cfg[key]!r}; valid: None or an int in [16, 255]")
+    if cfg["bwd"] == "split" and cfg["mode"] != "prep":
+        raise ValueError("bwd='split' needs mode='prep': its V side reads the prep kernel's A2 = Lq P and "
+                         "Kp = Pᵀ diag(last) K̂")
     return cfg
+
+
+def _maxnreg(n: int | None) -> dict:
+    """The launch option capping registers per thread, not passed when None (the compiler's choice)."""
+    return {} if n is None else {"maxnreg": n}
 
 
 def _block_v(cfg: dict, V: int, key: str = "block_v") -> int:
@@ -380,34 +433,42 @@ def _block_v(cfg: dict, V: int, key: str = "block_v") -> int:
 
 
 def chunk_fwd(q, k, v, beta, resets, h0, *, efla: bool, save: bool, cfg: dict):
-    """Returns ``(o, final state, hs, ps, dbuf)``; with ``save`` the backward's inputs: chunk-entry states
-    ``hs [B·H, NT, K, V]``, ``ps [B·H, NT, BT, BT]`` and, for ``bwd="split"``, D ``dbuf [B·H, NT·BT, V]`` (else None)."""
+    """Returns ``(o, final state, saved)``; with ``save``, ``saved`` holds the backward's inputs: the chunk-entry
+    states ``hs [B·H, NT, K, V]``, ``ps [B·H, NT, BT, BT]`` and, for ``bwd="split"``, D ``dbuf [B·H, NT·BT, V]``
+    and the prep kernel's ``a2s [B·H, NT, BT, BT]`` and ``kps [B·H, NT, BT, K]``."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT, BK, BV = cfg["chunk_size"], _pow2(K), _block_v(cfg, V)
     NT, NV = triton.cdiv(T, BT), triton.cdiv(V, BV)
     dev = q.device
+    f32 = dict(dtype=torch.float32, device=dev)
     o = torch.empty(B, T, H, V, dtype=q.dtype, device=dev)
-    ht = torch.empty(B, H, K, V, dtype=torch.float32, device=dev)
-    hs = torch.empty(B * H, NT, K, V, dtype=torch.float32, device=dev) if save else ht
+    ht = torch.empty(B, H, K, V, **f32)
+    hs = torch.empty(B * H, NT, K, V, **f32) if save else ht
     prep = cfg["mode"] == "prep"
-    ps = torch.empty(B * H, NT, BT, BT, dtype=torch.float32, device=dev) if (save or prep) else ht
-    save_d = save and cfg["bwd"] == "split"
-    dbuf = torch.empty(B * H, NT * BT, V, dtype=torch.float32, device=dev) if save_d else None
+    split = save and cfg["bwd"] == "split"
+    ps = torch.empty(B * H, NT, BT, BT, **f32) if (save or prep) else ht
+    a2s = torch.empty(B * H, NT, BT, BT, **f32) if prep else ht
+    ms, qes = (torch.empty(B * H, NT, BT, K, **f32) for _ in range(2)) if prep else (ht, ht)
+    kps = torch.empty(B * H, NT, BT, K, **f32) if split else ht
+    dbuf = torch.empty(B * H, NT * BT, V, **f32) if split else None
     r = resets.view(torch.uint8) if resets is not None else q
     common = dict(H=H, K=K, BT=BT, BK=BK, EFLA=efla, HAS_RESETS=resets is not None, PREC=cfg["prec"])
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **_maxnreg(cfg["fwd_maxnreg"]))
     if prep:
-        LAST_COMPILED["prep"] = chunk_prep_kernel[(B * H, NT)](k, beta, r, ps, T, NT, **common, **launch)
+        LAST_COMPILED["prep"] = chunk_prep_kernel[(B * H, NT)](
+            q, k, beta, r, ps, a2s, ms, qes, kps, T, NT, **common, SAVE_KP=split,
+            num_warps=cfg["prep_warps"] or cfg["num_warps"], num_stages=cfg["prep_stages"] or cfg["num_stages"])
     LAST_COMPILED["fwd"] = chunk_fwd_kernel[(B * H, NV)](
-        q, k, v, beta, r, h0 if h0 is not None else ht, o, ht, hs, ps, dbuf if save_d else ht, T, NT, **common,
-        V=V, BV=BV, HAS_H0=h0 is not None, SAVE_STATES=save, LOAD_P=prep, SAVE_P=save and not prep, SAVE_D=save_d,
-        **launch)
-    return o, ht, hs, ps, dbuf
+        q, k, v, beta, r, h0 if h0 is not None else ht, o, ht, hs, ps, a2s, ms, qes, dbuf if split else ht, T, NT,
+        **common, V=V, BV=BV, HAS_H0=h0 is not None, SAVE_STATES=save, LOAD_P=prep, SAVE_P=save and not prep,
+        SAVE_D=split, **launch)
+    return o, ht, (hs, ps, dbuf, a2s, kps)
 
 
-def chunk_bwd(q, k, v, beta, resets, hs, ps, dbuf, do, dht, *, efla: bool, cfg: dict):
-    """Gradients ``(dq, dk, dv, dβ, dS₀ fp32)`` from the forward's saved ``hs, ps`` (and ``dbuf`` when split)."""
+def chunk_bwd(q, k, v, beta, resets, saved, do, dht, *, efla: bool, cfg: dict):
+    """Gradients ``(dq, dk, dv, dβ, dS₀ fp32)`` from the forward's ``saved`` tensors (:func:`chunk_fwd`)."""
+    hs, ps, dbuf, a2s, kps = saved
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT, BK, BV = cfg["chunk_size"], _pow2(K), _block_v(cfg, V, "block_v_bwd")
@@ -421,18 +482,19 @@ def chunk_bwd(q, k, v, beta, resets, hs, ps, dbuf, do, dht, *, efla: bool, cfg: 
         dht = dht.float().contiguous()
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, EFLA=efla, HAS_RESETS=resets is not None, PREC=cfg["prec"])
     stages = cfg["num_stages_bwd"] or cfg["num_stages"]
-    launch = dict(num_warps=cfg["num_warps_bwd"] or cfg["num_warps"], num_stages=stages)
+    launch = dict(num_warps=cfg["num_warps_bwd"] or cfg["num_warps"], num_stages=stages,
+                  **_maxnreg(cfg["bwd_maxnreg"]))
     if cfg["bwd"] == "split":
         dq, dk, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(beta)
         drbuf = torch.empty(B * H, NT * BT, V, dtype=torch.float32, device=dev)
-        dsbuf = torch.empty(B * H, NT, K, V, dtype=torch.float32, device=dev)
+        ddsbuf = torch.empty(NV, B * H, NT * BT, K, dtype=torch.float32, device=dev)
         LAST_COMPILED["bwd_v"] = chunk_bwd_v_kernel[(B * H, NV)](
-            q, k, beta, r, ps, do, dht if dht is not None else dh0, dv, drbuf, dsbuf, dh0, T, NT, **common, BV=BV,
-            HAS_DHT=dht is not None, **launch)
+            q, k, beta, r, a2s, kps, dbuf, do, dht if dht is not None else dh0, dv, drbuf, ddsbuf, dh0, T, NT,
+            **common, BV=BV, HAS_DHT=dht is not None, **launch)
         LAST_COMPILED["bwd_k"] = chunk_bwd_k_kernel[(B * H, NT)](
-            q, k, v, beta, r, hs, dbuf, drbuf, dsbuf, do, dq, dk, dbeta, T, NT,
-            BV=_block_v(cfg, V, "kside_block_v"), **dict(common, PREC=cfg["kside_prec"] or cfg["prec"]),
-            num_warps=cfg["kside_warps"], num_stages=cfg["kside_stages"] or stages)
+            q, k, v, beta, r, hs, dbuf, drbuf, ddsbuf, do, dq, dk, dbeta, T, NT,
+            BV=_block_v(cfg, V, "kside_block_v"), NVV=NV, **dict(common, PREC=cfg["kside_prec"] or cfg["prec"]),
+            num_warps=cfg["kside_warps"], num_stages=cfg["kside_stages"] or stages, **_maxnreg(cfg["kside_maxnreg"]))
         return dq, dk, dv, dbeta, dh0
     N = B * T * H
     if NV == 1:  # the kernel writes the final gradients
@@ -455,13 +517,13 @@ def chunk_bwd(q, k, v, beta, resets, hs, ps, dbuf, do, dht, *, efla: bool, cfg: 
 class ChunkFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, beta, h0, resets, efla, cfg):
-        o, ht, hs, ps, dbuf = chunk_fwd(q, k, v, beta, resets, h0, efla=efla, save=True, cfg=cfg)
-        ctx.save_for_backward(q, k, v, beta, resets, hs, ps, dbuf)
+        o, ht, saved = chunk_fwd(q, k, v, beta, resets, h0, efla=efla, save=True, cfg=cfg)
+        ctx.save_for_backward(q, k, v, beta, resets, *saved)
         ctx.efla, ctx.cfg, ctx.h0_dtype = efla, cfg, (h0.dtype if h0 is not None else None)
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, beta, resets, hs, ps, dbuf = ctx.saved_tensors
-        dq, dk, dv, dbeta, dh0 = chunk_bwd(q, k, v, beta, resets, hs, ps, dbuf, do, dht, efla=ctx.efla, cfg=ctx.cfg)
+        q, k, v, beta, resets, *saved = ctx.saved_tensors
+        dq, dk, dv, dbeta, dh0 = chunk_bwd(q, k, v, beta, resets, saved, do, dht, efla=ctx.efla, cfg=ctx.cfg)
         return dq, dk, dv, dbeta, (dh0.to(ctx.h0_dtype) if ctx.h0_dtype is not None else None), None, None, None
