@@ -4,6 +4,7 @@
     python -m rlseq.train --env caveflyer --memory deltanet --seed 1 --total-steps 5_000_000
     python -m rlseq.train --env caveflyer --memory lstm --algo sb3-recurrent-ppo
     python -m rlseq.train --env caveflyer --memory efla --amp bf16 --fused-adam   # faster: bf16 CNN, fused Adam
+    python -m rlseq.train --env caveflyer --memory efla --fused-adam --cuda-graph-train   # training from a CUDA graph
 
 Runs land in ``<logdir>/<env>/<variant>/seed<N>/`` (``variant`` = memory, ``sb3-`` prefixed for the
 sb3-contrib algorithm, ``-<tag>`` appended), so ``tensorboard --logdir runs/caveflyer`` shows the memories
@@ -30,7 +31,7 @@ FLAG_TO_KEY = {
     "n_epochs": "n_epochs", "learning_rate": "learning_rate", "reward_scale": "reward_scale",
     "value_shift": "value_shift", "prev_action_reward": "prev_action_reward", "checkpoint_every": "checkpoint_every",
     "normalize_reward": "normalize_reward", "amp": "amp", "fused_adam": "fused_adam", "cuda_graph": "cuda_graph",
-    "channels_last": "channels_last", "env_groups": "env_groups",
+    "cuda_graph_train": "cuda_graph_train", "channels_last": "channels_last", "env_groups": "env_groups",
 }
 AMP_CHOICES = ("bf16", "none")
 
@@ -75,6 +76,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="replay the acting step from a CUDA graph (same computation and random draws, ~100x fewer "
                         "launches; config: cuda_graph; default on, ignored on the CPU)")
+    p.add_argument("--cuda-graph-train", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay each PPO minibatch update (forward, loss, backward, clipping, Adam step) from a CUDA "
+                        "graph: same computation, one launch per minibatch instead of hundreds; needs --fused-adam, "
+                        "not for --memory lstm (config: cuda_graph_train; default off, ignored on the CPU)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory layout for the CNN (cuDNN's tensor-core layout, mostly with --amp bf16; "
                         "config: channels_last; default off)")
@@ -151,6 +156,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--amp needs --algo rlseq (sb3-contrib's RecurrentPPO has no autocast)")
     cfg["fused_adam"] = bool(cfg.get("fused_adam", False))
     cfg["cuda_graph"] = bool(cfg.get("cuda_graph", True)) and args.algo == "rlseq"
+    cfg["cuda_graph_train"] = bool(cfg.get("cuda_graph_train", False)) and args.algo == "rlseq"
     cfg["channels_last"] = bool(cfg.get("channels_last", False))
     if cfg["channels_last"] and args.algo != "rlseq":
         raise UsageError("--channels-last needs --algo rlseq")
@@ -158,10 +164,27 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--cuda-graph needs --algo rlseq (sb3-contrib's RecurrentPPO acts eagerly)")
     if args.cuda_graph and args.device == "cpu":
         raise UsageError("--cuda-graph needs a GPU; drop it with --device cpu")
+    if args.cuda_graph_train and args.algo != "rlseq":
+        raise UsageError("--cuda-graph-train needs --algo rlseq")
+    if args.cuda_graph_train and args.device == "cpu":
+        raise UsageError("--cuda-graph-train needs a GPU; drop it with --device cpu")
+    if args.cuda_graph_train and args.memory == "lstm":
+        raise UsageError("--cuda-graph-train cannot capture the lstm memory (its training pass reads the episode "
+                         "starts on the host)")
+    if not args.resume:  # on --resume the checkpoint's fused_adam holds: checked once it is known
+        _check_cuda_graph_train(args, cfg)
     memory_kwargs = cfg.pop("memory_kwargs", {}) or {}
     cfg.update(env=env, memory=args.memory, algo=args.algo, seed=args.seed, tag=args.tag,
                memory_kwargs=dict(memory_kwargs.get(args.memory, {}) or {}))
     return cfg
+
+
+def _check_cuda_graph_train(args: argparse.Namespace, cfg: dict[str, Any]) -> None:
+    """``--cuda-graph-train`` asked for on the command line with unfused Adam would only warn and train eagerly:
+    refuse it instead (a config file's ``cuda_graph_train`` falls back with the model's warning)."""
+    if args.cuda_graph_train and not cfg["fused_adam"]:
+        raise UsageError("--cuda-graph-train needs --fused-adam (fused Adam skips the update of a non-finite loss "
+                         "inside the graph)")
 
 
 def run_dir(logdir: str | Path, cfg: dict[str, Any]) -> Path:
@@ -223,7 +246,8 @@ def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | No
         if cfg.get("channels_last"):
             policy_kwargs.update(channels_last=True)
         return MemoryPPO("MultiInputPolicy" if dict_obs else "CnnPolicy", env, n_minibatches=cfg["n_minibatches"],
-                         policy_kwargs=policy_kwargs, cuda_graph=cfg.get("cuda_graph", True), **common)
+                         policy_kwargs=policy_kwargs, cuda_graph=cfg.get("cuda_graph", True),
+                         cuda_graph_train=cfg.get("cuda_graph_train", False), **common)
     from sb3_contrib import RecurrentPPO
 
     import rlseq.policies as P
@@ -254,6 +278,7 @@ def train(args: argparse.Namespace) -> Path:
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     cfg["cuda_graph"] = cfg["cuda_graph"] and torch.device(device).type == "cuda"  # recorded as it runs
+    cfg["cuda_graph_train"] = cfg["cuda_graph_train"] and torch.device(device).type == "cuda"
     folder = run_dir(args.logdir, cfg)
     try:
         with run_folder_lock(folder):
@@ -289,11 +314,13 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
         model = algo.load(latest / "model.zip", env=env, device=device)
         try:
             _adopt_saved_speed_settings(cfg, model, args)
+            _check_cuda_graph_train(args, cfg)
         except UsageError:
             env.close()
             raise
         if cfg["algo"] == "rlseq":
-            model.cuda_graph = cfg["cuda_graph"]  # how acting is launched, not what it computes: the flag decides
+            # how acting and training are launched, not what they compute: the flags decide
+            model.cuda_graph, model.cuda_graph_train = cfg["cuda_graph"], cfg["cuda_graph_train"]
         set_rng_state(torch.load(latest / "rng.pt", weights_only=False))
         print(f"resuming {folder} from {latest.name} ({model.num_timesteps:,} env steps done)", flush=True)
     else:

@@ -30,6 +30,7 @@ from stable_baselines3.common.vec_env import VecEnv, VecNormalize, VecTransposeI
 from rlseq.algos.acting import ActingOutput, ActingStep
 from rlseq.algos.buffer import SequenceRolloutBuffer
 from rlseq.algos.phases import PhaseTimer
+from rlseq.algos.training import ClipRange, TrainStep, clip_bounds, graph_obstacles
 from rlseq.envs.groups import VecEnvGroups, concat_obs, concat_step_results, find_env_groups
 from rlseq.policies.actor_critic import MemoryPPOPolicy
 
@@ -54,6 +55,14 @@ class MemoryPPO(PPO):
     ``cuda_graph`` (default True) replays the acting step from a CUDA graph on CUDA devices (ignored on the CPU;
     see :class:`~rlseq.algos.acting.ActingStep`): same computation and same random draws, ~100x fewer launches.
     Pass False for a features extractor or memory that cannot be captured.
+    ``cuda_graph_train`` (default False) replays each PPO minibatch update (forward, loss, backward, gradient
+    clipping, fused Adam step) from a CUDA graph (see :class:`~rlseq.algos.training.TrainStep`): the same
+    computation in the same order, one launch per minibatch instead of hundreds (the learning rate is read from a
+    float32 tensor: a rate that is not a float32 number is rounded by at most 6e-8 relative). It needs a CUDA device, fused
+    Adam/AdamW and ``target_kl=None``, and is not available for the lstm memory; otherwise ``train()`` warns once why
+    and runs its eager loop. A non-finite loss is then found after the last minibatch instead of before the bad
+    update, which (like every later one of that ``train()`` call) is skipped by the optimizer, so the same
+    :class:`FloatingPointError` is raised with the parameters where the eager loop leaves them.
 
     Env groups: given a :class:`~rlseq.envs.groups.VecEnvGroups` of ``G > 1`` groups (directly, or under SB3's
     ``VecTransposeImage``), the rollout steps the groups one after the other, each group's env step overlapping
@@ -93,6 +102,7 @@ class MemoryPPO(PPO):
         seed: int | None = None,
         device: torch.device | str = "auto",
         cuda_graph: bool = True,
+        cuda_graph_train: bool = False,
         _init_setup_model: bool = True,
     ):
         self.n_minibatches = n_minibatches
@@ -100,6 +110,9 @@ class MemoryPPO(PPO):
         self.cuda_graph = cuda_graph
         self._acting: ActingStep | None = None
         self._group_acting: list[ActingStep] = []  # one per env group (own staging buffers and CUDA graph)
+        self.cuda_graph_train = cuda_graph_train
+        self._train_step: TrainStep | None = None  # the captured minibatch update (cuda_graph_train)
+        self._train_graph_warned: set[str] = set()  # the fallback warnings already given
         self.phases = PhaseTimer()  # enable with model.phases.enabled = True (python -m rlseq.bench train)
         super().__init__(
             policy, env, learning_rate=learning_rate, n_steps=n_steps, batch_size=2, n_epochs=n_epochs,
@@ -135,7 +148,8 @@ class MemoryPPO(PPO):
             self.clip_range_vf = FloatSchedule(self.clip_range_vf)
 
     def _excluded_save_params(self) -> list[str]:
-        return super()._excluded_save_params() + ["_memory_state", "phases", "_acting", "_group_acting"]
+        return super()._excluded_save_params() + ["_memory_state", "phases", "_acting", "_group_acting", "_train_step",
+                                                  "_train_graph_warned"]
 
     def get_vec_normalize_env(self) -> VecNormalize | None:
         """SB3's ``VecNormalize`` of the training env; with env groups, group 0's, whose running statistics every
@@ -340,8 +354,10 @@ class MemoryPPO(PPO):
 
     # --- training ---------------------------------------------------------------------------------------
 
-    def ppo_losses(self, batch, clip_range: float, clip_range_vf: float | None) -> dict[str, torch.Tensor]:
-        """The PPO losses of one minibatch of sequences (SB3's PPO formulas, over all ``B × T`` samples)."""
+    def ppo_losses(self, batch, clip_range: float | ClipRange,
+                   clip_range_vf: float | ClipRange | None) -> dict[str, torch.Tensor]:
+        """The PPO losses of one minibatch of sequences (SB3's PPO formulas, over all ``B × T`` samples). The clip
+        ranges are floats, or :class:`~rlseq.algos.training.ClipRange` device tensors (what a CUDA graph reads)."""
         values, log_prob, entropy = self.policy.evaluate_sequences(
             batch.observations, batch.actions, batch.initial_state, batch.episode_starts)
         return self._losses_from(values.flatten(), log_prob.flatten(), None if entropy is None else entropy.flatten(),
@@ -352,26 +368,88 @@ class MemoryPPO(PPO):
         if self.normalize_advantage and advantages.numel() > 1:
             advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
         old_log_prob, old_values, returns = batch.old_log_prob.flatten(), batch.old_values.flatten(), batch.returns.flatten()
+        eps, low, high = clip_bounds(clip_range, 1.0)
         ratio = torch.exp(log_prob - old_log_prob)
-        policy_loss = -torch.min(advantages * ratio, advantages * torch.clamp(ratio, 1 - clip_range, 1 + clip_range)).mean()
-        values_pred = values if clip_range_vf is None else old_values + torch.clamp(values - old_values, -clip_range_vf, clip_range_vf)
+        policy_loss = -torch.min(advantages * ratio, advantages * torch.clamp(ratio, low, high)).mean()
+        if clip_range_vf is None:
+            values_pred = values
+        else:
+            _, vf_low, vf_high = clip_bounds(clip_range_vf, 0.0)
+            values_pred = old_values + torch.clamp(values - old_values, vf_low, vf_high)
         value_loss = F.mse_loss(returns, values_pred)
         entropy_loss = -torch.mean(-log_prob) if entropy is None else -torch.mean(entropy)
         with torch.no_grad():
             log_ratio = log_prob - old_log_prob
             approx_kl = torch.mean((torch.exp(log_ratio) - 1) - log_ratio)
-            clip_fraction = torch.mean((torch.abs(ratio - 1) > clip_range).float())
+            clip_fraction = torch.mean((torch.abs(ratio - 1) > eps).float())
         return dict(loss=policy_loss + self.ent_coef * entropy_loss + self.vf_coef * value_loss, policy_loss=policy_loss,
                     value_loss=value_loss, entropy_loss=entropy_loss, approx_kl=approx_kl, clip_fraction=clip_fraction)
 
     def train(self) -> None:
+        """PPO updates on the rollout buffer: ``n_epochs`` passes over ``n_minibatches`` random env subsets, eagerly
+        or, with ``cuda_graph_train``, each update replayed from a CUDA graph (:class:`~rlseq.algos.training.TrainStep`)."""
+        self._train(self._graph_train_step())
+
+    def _graph_train_step(self) -> TrainStep | None:
+        """The CUDA-graph :class:`TrainStep` for this ``train()`` call, or None for the eager loop: when
+        ``cuda_graph_train`` is off, or when it cannot be used (one warning saying why). A capture that fails raises
+        (:class:`TrainStep`)."""
+        if not self.cuda_graph_train:
+            return None
+        reasons = graph_obstacles(self)
+        if reasons:
+            message = "; ".join(reasons)
+            if message not in self._train_graph_warned:
+                self._train_graph_warned.add(message)
+                warnings.warn(f"cuda_graph_train: {message}. Training runs the eager loop instead.", RuntimeWarning,
+                              stacklevel=3)
+            return None
+        if self._train_step is None or self._train_step.policy is not self.policy or not self._train_step.cuda_graph:
+            self._train_step = TrainStep(self, cuda_graph=True)
+        return self._train_step
+
+    def _train(self, step: TrainStep | None) -> None:
+        """:meth:`train` with the minibatch updates run by ``step`` (None: the eager loop)."""
         t0 = time.perf_counter()
         self.policy.set_training_mode(True)
         self._update_learning_rate(self.policy.optimizer)
         clip_range = self.clip_range(self._current_progress_remaining)
         clip_range_vf = self.clip_range_vf(self._current_progress_remaining) if self.clip_range_vf is not None else None
+        if step is None:
+            means, approx_kl = self._train_eager(clip_range, clip_range_vf)
+        else:
+            means, approx_kl = self._train_steps(step, clip_range, clip_range_vf)
+
+        record = self.logger.record
+        if means:
+            record("train/entropy_loss", means["entropy_loss"])
+            record("train/policy_gradient_loss", means["policy_loss"])
+            record("train/value_loss", means["value_loss"])
+            record("train/clip_fraction", means["clip_fraction"])
+            record("train/loss", means["loss"])
+            record("train/grad_norm", means["grad_norm"])
+        if approx_kl is not None:
+            record("train/approx_kl", approx_kl)
+        record("train/explained_variance", self.rollout_buffer.explained_variance())
+        record("train/n_updates", self._n_updates, exclude="tensorboard")
+        record("train/clip_range", clip_range)
+        if clip_range_vf is not None:
+            record("train/clip_range_vf", clip_range_vf)
+        returns = self.rollout_buffer.returns
+        record("train/value_target_abs_mean", returns.abs().mean().item())
+        record("train/value_target_abs_max", returns.abs().max().item())
+        with self.phases("diagnostics"):
+            self._record_memory_diagnostics()
+        steps = self.n_envs * self.n_steps
+        seconds = getattr(self, "_rollout_seconds", 0.0) + time.perf_counter() - t0
+        record("time/env_steps_per_s", steps / max(seconds, 1e-9))
+
+    def _train_eager(self, clip_range: float, clip_range_vf: float | None) -> tuple[dict[str, float], float | None]:
+        """The eager minibatch loop: a host check of each loss before its update, ``target_kl`` early stopping.
+        Returns the mean of each statistic over the updates, and the mean ``approx_kl`` of the last epoch."""
         stats: dict[str, list[torch.Tensor]] = {}
         continue_training = True
+        epoch_kl: list[torch.Tensor] = []
         for epoch in range(self.n_epochs):
             epoch_kl = []
             for i, batch in enumerate(self.rollout_buffer.minibatches(self.n_minibatches)):
@@ -397,32 +475,34 @@ class MemoryPPO(PPO):
             self._n_updates += 1
             if not continue_training:
                 break
-
-        # one host sync for all the statistics, not one per minibatch
         means = {k: torch.stack(v).float().mean().item() for k, v in stats.items()}
-        record = self.logger.record
-        if means:
-            record("train/entropy_loss", means["entropy_loss"])
-            record("train/policy_gradient_loss", means["policy_loss"])
-            record("train/value_loss", means["value_loss"])
-            record("train/clip_fraction", means["clip_fraction"])
-            record("train/loss", means["loss"])
-            record("train/grad_norm", means["grad_norm"])
-        if epoch_kl:
-            record("train/approx_kl", torch.stack(epoch_kl).mean().item())
-        record("train/explained_variance", self.rollout_buffer.explained_variance())
-        record("train/n_updates", self._n_updates, exclude="tensorboard")
-        record("train/clip_range", clip_range)
-        if clip_range_vf is not None:
-            record("train/clip_range_vf", clip_range_vf)
-        returns = self.rollout_buffer.returns
-        record("train/value_target_abs_mean", returns.abs().mean().item())
-        record("train/value_target_abs_max", returns.abs().max().item())
-        with self.phases("diagnostics"):
-            self._record_memory_diagnostics()
-        steps = self.n_envs * self.n_steps
-        seconds = getattr(self, "_rollout_seconds", 0.0) + time.perf_counter() - t0
-        record("time/env_steps_per_s", steps / max(seconds, 1e-9))
+        return means, (torch.stack(epoch_kl).mean().item() if epoch_kl else None)
+
+    def _train_steps(self, step: TrainStep, clip_range: float,
+                     clip_range_vf: float | None) -> tuple[dict[str, float], float | None]:
+        """The minibatch loop through ``step`` (graph replays on a GPU): the same minibatches in the same order as
+        :meth:`_train_eager`, no host sync until the last one. A non-finite loss raises here, after the loop, as
+        the eager loop would have raised at that minibatch (``step`` skipped it and every later update)."""
+        env_indices = []
+        step.begin(clip_range, clip_range_vf, self.n_epochs * self.n_minibatches)
+        try:
+            for _ in range(self.n_epochs):
+                for batch in self.rollout_buffer.minibatches(self.n_minibatches):
+                    with self.phases("train_step"):
+                        step.update(batch)
+                    env_indices.append(batch.env_indices)
+                self._n_updates += 1
+        finally:
+            step.end()
+        result = step.read(recent=self.n_minibatches)
+        if result.first_bad is not None:
+            epoch, i = divmod(result.first_bad, self.n_minibatches)
+            self._n_updates -= self.n_epochs - epoch  # the eager loop stops in that epoch, before counting it
+            # the parameters are those before that minibatch: its losses recomputed eagerly are the ones that failed
+            batch = self.rollout_buffer.batch(env_indices[result.first_bad])
+            losses = self.ppo_losses(batch, clip_range, clip_range_vf)
+            self._report_nonfinite_loss(batch, epoch, i, losses)
+        return result.means, result.recent_approx_kl
 
     @torch.no_grad()
     def _report_nonfinite_loss(self, batch, epoch: int, index: int, losses: dict[str, torch.Tensor]) -> None:

@@ -17,14 +17,19 @@ baseline of ``rlseq-lstm``) use the IMPALA CNN of the config.
 
 Speed settings, labelled in the tables: ``--tf32`` (TF32 convolutions and matmuls for every variant; off by
 default, as in ``python -m rlseq.train``, so the baseline is true fp32), ``--amp bf16`` (the CNN in bf16
-autocast), ``--fused-adam``, ``--cuda-graph`` (acting replayed from a CUDA graph), ``--channels-last`` (NHWC
-CNN) and ``--env-groups G`` (the envs in G groups whose env steps overlap the other groups' acting; options
-``bf16``, ``fused``, ``graph``, ``nhwc``, ``groupsG`` such as ``groups2``), all but TF32 for the rlseq variants only
+autocast), ``--fused-adam``, ``--cuda-graph`` (acting replayed from a CUDA graph), ``--cuda-graph-train`` (each PPO
+minibatch update replayed from a CUDA graph; needs fused Adam), ``--channels-last`` (NHWC CNN) and ``--env-groups G``
+(the envs in G groups whose env steps overlap the other groups' acting; options ``bf16``, ``fused``, ``graph``,
+``tgraph``, ``nhwc``, ``groupsG`` such as ``groups2``), all but TF32 for the rlseq variants only
 (the sb3 variants stay stock). A variant may also carry its own settings after ``+``, so one call compares them
 side by side in one process::
 
     python -m rlseq.bench train --variants rlseq-efla rlseq-efla+graph rlseq-efla+graph+bf16+fused+tf32
     python -m rlseq.bench train --variants rlseq-efla+graph+bf16+fused+nhwc+tf32 rlseq-efla+graph+bf16+fused+nhwc+tf32+groups2
+    python -m rlseq.bench train --variants rlseq-efla+graph+bf16+fused+nhwc+tf32 rlseq-efla+graph+bf16+fused+nhwc+tf32+tgraph
+
+With ``tgraph`` the training phases ``train_forward``, ``train_backward`` and ``optimizer`` become one phase,
+``train_step`` (staging the minibatch and replaying its update).
 """
 
 from __future__ import annotations
@@ -37,8 +42,10 @@ import torch
 from rlseq.bench.timing import describe_environment
 
 VARIANTS = ("rlseq-none", "rlseq-efla", "rlseq-deltanet", "rlseq-lstm", "sb3-lstm", "sb3-lstm-impala", "sb3-ppo")
-OPTIONS = ("bf16", "fused", "tf32", "graph", "nhwc", "groups2")  # per-variant settings: VARIANT+OPTION[+OPTION...]
-PHASES = ("env", "act", "buffer", "train_forward", "train_backward", "optimizer", "diagnostics")
+# per-variant settings: VARIANT+OPTION[+OPTION...]
+OPTIONS = ("bf16", "fused", "tf32", "graph", "tgraph", "nhwc", "groups2")
+# train_step: a minibatch update replayed from a CUDA graph (tgraph), in place of train_forward/backward/optimizer
+PHASES = ("env", "act", "buffer", "train_forward", "train_backward", "optimizer", "train_step", "diagnostics")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--amp", default="none", choices=("bf16", "none"), help="CNN autocast of the rlseq variants")
     parser.add_argument("--fused-adam", action="store_true", help="fused Adam for the rlseq variants")
     parser.add_argument("--cuda-graph", action="store_true", help="CUDA-graph acting for the rlseq variants (GPU)")
+    parser.add_argument("--cuda-graph-train", action="store_true",
+                        help="minibatch updates replayed from a CUDA graph for the rlseq variants (GPU, fused Adam)")
     parser.add_argument("--channels-last", action="store_true", help="NHWC layout for the rlseq variants' CNN")
     parser.add_argument("--env-groups", type=int, default=1, metavar="G",
                         help="env groups of the rlseq variants (option groupsG): one group's env step overlaps the "
@@ -78,6 +87,9 @@ def _variant(name: str) -> str:
                                              "(groupsG for any G >= 1)")
         if option != "tf32" and not base.startswith("rlseq-"):
             raise argparse.ArgumentTypeError(f"{option} applies to the rlseq variants only, not {base}")
+        if option == "tgraph" and base == "rlseq-lstm":
+            raise argparse.ArgumentTypeError("tgraph cannot capture rlseq-lstm's training pass (it reads the episode "
+                                             "starts on the host)")
     return name
 
 
@@ -88,8 +100,9 @@ def _groups_option(option: str) -> int | None:
 
 
 def settings(variant: str, args: argparse.Namespace) -> dict:
-    """``{"tf32", "amp", "fused_adam", "cuda_graph", "channels_last", "env_groups"}`` of one variant: the flags
-    plus its ``+`` options. Everything but TF32 only ever applies to the rlseq variants."""
+    """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last", "env_groups"}`` of one
+    variant: the flags plus its ``+`` options. Everything but TF32 only ever applies to the rlseq variants, and
+    ``--cuda-graph-train`` not to ``rlseq-lstm`` (its training pass cannot be captured)."""
     base, *options = variant.split("+")
     rlseq = base.startswith("rlseq-")
     groups = [g for g in map(_groups_option, options) if g is not None]
@@ -97,6 +110,7 @@ def settings(variant: str, args: argparse.Namespace) -> dict:
             "amp": "bf16" if rlseq and (args.amp == "bf16" or "bf16" in options) else None,
             "fused_adam": rlseq and (bool(args.fused_adam) or "fused" in options),
             "cuda_graph": rlseq and (bool(args.cuda_graph) or "graph" in options),
+            "cuda_graph_train": rlseq and ("tgraph" in options or (bool(args.cuda_graph_train) and base != "rlseq-lstm")),
             "channels_last": rlseq and (bool(args.channels_last) or "nhwc" in options),
             "env_groups": (groups[-1] if groups else args.env_groups) if rlseq else 1}
 
@@ -105,6 +119,7 @@ def describe_settings(s: dict) -> str:
     groups = s.get("env_groups", 1)
     return (f"TF32 {'on' if s['tf32'] else 'off'}, CNN {s['amp'] or 'fp32'}, Adam {'fused' if s['fused_adam'] else 'unfused'}, "
             f"acting {'CUDA graph' if s.get('cuda_graph') else 'eager'}, CNN layout {'NHWC' if s.get('channels_last') else 'NCHW'}"
+            + (", training CUDA graph" if s.get("cuda_graph_train") else "")
             + (f", {groups} env groups" if groups > 1 else ""))
 
 
@@ -115,6 +130,7 @@ def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None
     if speed is not None:  # always explicit, so a config file's amp / fused_adam cannot leak into the labels
         argv += ["--amp", speed["amp"] or "none", "--fused-adam" if speed["fused_adam"] else "--no-fused-adam",
                  "--cuda-graph" if speed["cuda_graph"] else "--no-cuda-graph",
+                 "--cuda-graph-train" if speed["cuda_graph_train"] else "--no-cuda-graph-train",
                  "--channels-last" if speed["channels_last"] else "--no-channels-last",
                  "--env-groups", str(speed["env_groups"])]
     for flag in ("n_envs", "n_steps", "n_minibatches", "n_epochs", "num_threads"):
@@ -241,6 +257,12 @@ def main(args: argparse.Namespace) -> None:
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if not device.startswith("cuda") and any(settings(v, args)["cuda_graph"] for v in args.variants):
         raise SystemExit("CUDA-graph acting (--cuda-graph, +graph) needs a GPU device")
+    if not device.startswith("cuda") and any(settings(v, args)["cuda_graph_train"] for v in args.variants):
+        raise SystemExit("CUDA-graph training (--cuda-graph-train, +tgraph) needs a GPU device")
+    unfused = [v for v in args.variants if settings(v, args)["cuda_graph_train"] and not settings(v, args)["fused_adam"]]
+    if unfused:
+        raise SystemExit(f"CUDA-graph training (--cuda-graph-train, +tgraph) needs fused Adam (+fused or --fused-adam): "
+                         f"{', '.join(unfused)}")
     print(describe_environment(torch.device(device)))
     cfg = _config(args, "efla", "rlseq")
     print(f"{args.env}, {cfg['n_envs']} envs x {cfg['n_steps']} steps, {cfg['n_epochs']} epochs, "

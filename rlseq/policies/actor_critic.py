@@ -289,8 +289,12 @@ class MemoryPPOPolicy(BasePolicy):
         flat_actions = actions.flatten(0, 1)
         if isinstance(self.action_space, spaces.Discrete):
             flat_actions = flat_actions.long().flatten()
-        entropy = dist.entropy()
-        return values.view(B, T), dist.log_prob(flat_actions).view(B, T), None if entropy is None else entropy.view(B, T)
+        entropy, log_prob = dist.entropy(), dist.log_prob(flat_actions)
+        # SB3's Distribution object keeps the torch distribution it made last, whose parameters would hold this
+        # minibatch's autograd graph alive into the next one: the CUDA-graph train step's capture would then reuse
+        # gradient accumulators made on its warm-up stream (torch warns of the stream mismatch)
+        self.action_dist.distribution = None
+        return values.view(B, T), log_prob.view(B, T), None if entropy is None else entropy.view(B, T)
 
     @torch.no_grad()
     def memory_diagnostics(self, obs: PyTorchObs, initial_state: torch.Tensor, resets: torch.Tensor) -> dict[str, torch.Tensor]:
