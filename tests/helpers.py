@@ -70,3 +70,18 @@ def tiny_bench_train(variants: list[str], n_envs: int) -> None:
 
     bench_main(["train", "--variants", *variants, "--n-envs", str(n_envs), "--n-steps", "8", "--n-minibatches", "2",
                 "--n-epochs", "1", "--num-threads", "0", "--warmup", "1", "--rollouts", "1", "--device", "cpu"])
+
+
+def collect_rollout(model, setup: bool = True) -> None:
+    """One rollout of ``model`` into its buffer (``_setup_learn`` first unless ``setup`` is False)."""
+    from stable_baselines3.common.callbacks import BaseCallback
+
+    class _NoOp(BaseCallback):
+        def _on_step(self) -> bool:
+            return True
+
+    if setup:
+        model._setup_learn(10_000)
+    cb = _NoOp()
+    cb.init_callback(model)
+    assert model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)

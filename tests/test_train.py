@@ -22,6 +22,7 @@ from stable_baselines3.common.logger import configure
 
 from rlseq.algos import MemoryPPO
 from rlseq.train import main as train_main
+from tests.helpers import collect_rollout as _collect
 from tests.helpers import tiny_bench_train
 
 MEMORY_KWARGS = {
@@ -45,13 +46,6 @@ def _cartpole_model(memory: str, n_envs: int = 4, n_steps: int = 48, seed: int =
     model.set_logger(configure(None, []))
     return model
 
-
-def _collect(model: MemoryPPO, setup: bool = True) -> None:
-    if setup:
-        model._setup_learn(10_000)
-    cb = _NoOp()
-    cb.init_callback(model)
-    assert model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
 
 
 @pytest.mark.parametrize("memory", ["efla", "deltanet", "lstm", "none"])

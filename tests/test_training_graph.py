@@ -20,12 +20,12 @@ import zipfile
 
 import pytest
 import torch
-from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import configure
 
 from rlseq.algos import MemoryPPO
 from rlseq.algos.training import TrainStep, graph_obstacles
+from tests.helpers import collect_rollout as _collect
 
 MEMORY_KWARGS = {"efla": {"n_heads": 2, "head_dim": 16}, "deltanet": {"n_heads": 2, "head_dim": 16},
                  "lstm": {"hidden_size": 32}, "none": {}}
@@ -34,10 +34,6 @@ LR = 2.0**-11  # exact in float32: the tensor and the float learning rate are th
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
                           reason="CUDA graphs need a GPU and compiled Triton kernels (TRITON_INTERPRET=0)")
 
-
-class _NoOp(BaseCallback):
-    def _on_step(self) -> bool:
-        return True
 
 
 def _cartpole(memory: str = "efla", *, n_envs: int = 4, n_minibatches: int = 2, n_epochs: int = 3,
@@ -50,13 +46,6 @@ def _cartpole(memory: str = "efla", *, n_envs: int = 4, n_minibatches: int = 2, 
     model.set_logger(configure(None, []))
     return model
 
-
-def _collect(model: MemoryPPO, setup: bool = True) -> None:
-    if setup:
-        model._setup_learn(10_000)
-    cb = _NoOp()
-    cb.init_callback(model)
-    assert model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
 
 
 def _twins(make, *, second: dict | None = None, **kwargs) -> tuple[MemoryPPO, MemoryPPO]:
