@@ -24,7 +24,6 @@ against the eager loop of :meth:`MemoryPPO.train`.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -97,10 +96,9 @@ def graph_obstacles(model: MemoryPPO) -> list[str]:
     if model.target_kl is not None:
         reasons.append(f"target_kl={model.target_kl} is set: its early stop reads approx_kl on the host after every "
                        "minibatch")
-    if model.policy.memory.name == "lstm":
-        # LSTMMemory.forward splits the sequences at episode starts on the host (nonzero, pack_padded_sequence)
-        reasons.append("the lstm memory's training pass reads the episode starts on the host, which a CUDA graph "
-                       "cannot capture")
+    memory = model.policy.memory
+    if memory.train_graph_obstacle is not None:
+        reasons.append(f"the {memory.name} memory: {memory.train_graph_obstacle}, which a CUDA graph cannot capture")
     return reasons
 
 

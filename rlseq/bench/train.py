@@ -87,10 +87,17 @@ def _variant(name: str) -> str:
                                              "(groupsG for any G >= 1)")
         if option != "tf32" and not base.startswith("rlseq-"):
             raise argparse.ArgumentTypeError(f"{option} applies to the rlseq variants only, not {base}")
-        if option == "tgraph" and base == "rlseq-lstm":
-            raise argparse.ArgumentTypeError("tgraph cannot capture rlseq-lstm's training pass (it reads the episode "
-                                             "starts on the host)")
+        if option == "tgraph" and _train_graph_obstacle(base) is not None:
+            raise argparse.ArgumentTypeError(f"tgraph cannot capture {base}'s training pass "
+                                             f"({_train_graph_obstacle(base)})")
     return name
+
+
+def _train_graph_obstacle(base: str) -> str | None:
+    """Why an rlseq variant's training pass cannot be captured in a CUDA graph (its memory's reason), or None."""
+    from rlseq.policies.memory import memory_class
+
+    return memory_class(base.removeprefix("rlseq-")).train_graph_obstacle if base.startswith("rlseq-") else None
 
 
 def _groups_option(option: str) -> int | None:
@@ -102,7 +109,7 @@ def _groups_option(option: str) -> int | None:
 def settings(variant: str, args: argparse.Namespace) -> dict:
     """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last", "env_groups"}`` of one
     variant: the flags plus its ``+`` options. Everything but TF32 only ever applies to the rlseq variants, and
-    ``--cuda-graph-train`` not to ``rlseq-lstm`` (its training pass cannot be captured)."""
+    ``--cuda-graph-train`` not to a memory whose training pass cannot be captured (rlseq-lstm)."""
     base, *options = variant.split("+")
     rlseq = base.startswith("rlseq-")
     groups = [g for g in map(_groups_option, options) if g is not None]
@@ -110,7 +117,7 @@ def settings(variant: str, args: argparse.Namespace) -> dict:
             "amp": "bf16" if rlseq and (args.amp == "bf16" or "bf16" in options) else None,
             "fused_adam": rlseq and (bool(args.fused_adam) or "fused" in options),
             "cuda_graph": rlseq and (bool(args.cuda_graph) or "graph" in options),
-            "cuda_graph_train": rlseq and ("tgraph" in options or (bool(args.cuda_graph_train) and base != "rlseq-lstm")),
+            "cuda_graph_train": rlseq and ("tgraph" in options or (bool(args.cuda_graph_train) and _train_graph_obstacle(base) is None)),
             "channels_last": rlseq and (bool(args.channels_last) or "nhwc" in options),
             "env_groups": (groups[-1] if groups else args.env_groups) if rlseq else 1}
 

@@ -75,6 +75,20 @@ def _load_cols(x, row, mt, v0, V: tl.constexpr, BV: tl.constexpr):
 
 
 @triton.jit
+def _store_cols(x, row, mt, rv, V: tl.constexpr, val):
+    """Store ``val [BT, BV]`` (cast to x's dtype) at columns ``rv`` of the rows ``row`` of ``x [·, V]``, within
+    ``mt`` and V: what :func:`_load_cols` reads."""
+    tl.store(x + row[:, None] * V + rv[None, :], val.to(x.dtype.element_ty), mask=mt[:, None] & (rv < V)[None, :])
+
+
+@triton.jit
+def _dstate_back(ds, q_c, kh, do_c, dr, g, sees, carry, PREC: tl.constexpr):
+    """The state's gradient one chunk back: ``dS₀ = carry dS₁ + Qᵀ diag(sees) dO − K̂ᵀ diag(g sees) dR``."""
+    return carry * ds + tl.dot(tl.trans(q_c), sees[:, None] * do_c, input_precision=PREC) \
+        - tl.dot(tl.trans(kh), (g * sees)[:, None] * dr, input_precision=PREC)
+
+
+@triton.jit
 def _vblock(H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
             BV: tl.constexpr):
     """This program's (sequence·head ``bh``, V block ``vb``), its ``b, h``, the ranges ``rt, rk, rv``, the mask and
@@ -173,7 +187,7 @@ def chunk_fwd_kernel(q, k, v, beta, resets, h0, o, ht, hs, ps, a2s, ms, qes, dbu
             o_c = sees[:, None] * tl.dot(q_c, state, input_precision=PREC) + tl.dot(qk, d, input_precision=PREC)
         if SAVE_D:
             tl.store(dbuf + (c * BT + rt[:, None]) * V + rv[None, :], d, mask=(rv < V)[None, :])
-        tl.store(o + row[:, None] * V + rv[None, :], o_c.to(o.dtype.element_ty), mask=mt[:, None] & (rv < V)[None, :])
+        _store_cols(o, row, mt, rv, V, o_c)
         state = carry * state + tl.dot(tl.trans(kh), last[:, None] * d, input_precision=PREC)
     tl.store(ht + bh.to(tl.int64) * K * V + off_s, state, mask=m_s)
 
@@ -216,14 +230,12 @@ def chunk_bwd_kernel(q, k, v, beta, resets, hs, ps, do, dht, dq, dk, dv, dbeta, 
         ga = g[:, None] * da
         dkh += tl.dot(ga + tl.trans(ga), kh, input_precision=PREC)
         dkh -= gs[:, None] * tl.dot(dr, tl.trans(s0), input_precision=PREC)
-        ds = carry * ds + tl.dot(tl.trans(q_c), sees[:, None] * do_c, input_precision=PREC) \
-            - tl.dot(tl.trans(kh), gs[:, None] * dr, input_precision=PREC)
+        ds = _dstate_back(ds, q_c, kh, do_c, dr, g, sees, carry, PREC)
         # the gate, back to the raw inputs (linear in dkh, dg and Σ_v dr·v: per-block partials add up)
         dk_c, db_c = gate_bwd(k_c, kh, b_c, lam, dkh, dg, tl.sum(dr * v_c, 1), EFLA)
         tl.store(dq + po + row[:, None] * K + rk[None, :], dq_c.to(dq.dtype.element_ty), mask=mqk)
         tl.store(dk + po + row[:, None] * K + rk[None, :], dk_c.to(dk.dtype.element_ty), mask=mqk)
-        tl.store(dv + row[:, None] * V + rv[None, :], (s[:, None] * dr).to(dv.dtype.element_ty),
-                 mask=mt[:, None] & (rv < V)[None, :])
+        _store_cols(dv, row, mt, rv, V, s[:, None] * dr)
         tl.store(dbeta + po + row, db_c.to(dbeta.dtype.element_ty), mask=mt)
     tl.store(dh0 + bh.to(tl.int64) * K * V + off_s, ds, mask=m_s)
 
@@ -256,10 +268,8 @@ def chunk_bwd_v_kernel(q, k, beta, resets, a2s, kps, dbuf, do, dht, dv, drbuf, d
         d = tl.load(dbuf + off_c, mask=(rv < V)[None, :], other=0.0)
         tl.store(ddsbuf + part + off_k, tl.dot(d, tl.trans(ds), input_precision=PREC), mask=m_k)
         tl.store(drbuf + off_c, dr, mask=(rv < V)[None, :])
-        tl.store(dv + row[:, None] * V + rv[None, :], (s[:, None] * dr).to(dv.dtype.element_ty),
-                 mask=mt[:, None] & (rv < V)[None, :])
-        ds = carry * ds + tl.dot(tl.trans(q_c), sees[:, None] * do_c, input_precision=PREC) \
-            - tl.dot(tl.trans(kh), (g * sees)[:, None] * dr, input_precision=PREC)
+        _store_cols(dv, row, mt, rv, V, s[:, None] * dr)
+        ds = _dstate_back(ds, q_c, kh, do_c, dr, g, sees, carry, PREC)
     tl.store(dh0 + bh.to(tl.int64) * K * V + off_s, ds, mask=m_s)
 
 

@@ -68,9 +68,11 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
         name: registry name (``"efla"``, ``"deltanet"``, ``"lstm"``, ``"none"``).
         in_features: F, the feature size of ``x``.
         out_features: size of ``y``.
+        train_graph_obstacle: why the training pass cannot be captured in a CUDA graph (a host read), or None.
     """
 
     name: str = "abstract"
+    train_graph_obstacle: str | None = None
     in_features: int
     out_features: int
 
@@ -379,6 +381,7 @@ class LSTMMemory(Memory):
     """
 
     name = "lstm"
+    train_graph_obstacle = "its training pass reads the episode starts on the host (nonzero, pack_padded_sequence)"
 
     def __init__(self, in_features: int, *, hidden_size: int = 256, num_layers: int = 1, **lstm_kwargs: Any) -> None:
         super().__init__()
@@ -467,6 +470,14 @@ _REGISTRY: dict[str, type[Memory]] = {
 }
 
 
+def memory_class(name: str) -> type[Memory]:
+    """The class registered as ``name`` (one of :data:`MEMORIES`)."""
+    key = name.lower() if isinstance(name, str) else name
+    if key not in _REGISTRY:
+        raise ValueError(f"unknown memory {name!r}; valid memories: {', '.join(MEMORIES)}")
+    return _REGISTRY[key]
+
+
 def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:
     """Build a memory by name (one of :data:`MEMORIES`) over ``in_features`` inputs.
 
@@ -474,7 +485,4 @@ def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:
     ``value_dim``, ``d_model``, ``query_norm``, ``backend``, ...), :class:`LSTMMemory` (``hidden_size``,
     ``num_layers``), :class:`NoMemory` (none).
     """
-    key = name.lower() if isinstance(name, str) else name
-    if key not in _REGISTRY:
-        raise ValueError(f"unknown memory {name!r}; valid memories: {', '.join(MEMORIES)}")
-    return _REGISTRY[key](in_features, **memory_kwargs)
+    return memory_class(name)(in_features, **memory_kwargs)
