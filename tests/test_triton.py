@@ -110,10 +110,15 @@ SHAPES = [  # (B, T, H, K, V): K ≠ V, T not a multiple of the chunk size, head
 ]
 
 
+# the default (prep kernel, split backward) and the fused kernel of one launch per direction (v5's default below D64)
+PATHS = {"default": None, "fused-inline": dict(bwd="fused", mode="inline", chunk_size=32, num_stages=1)}
+
+
 @pytest.mark.parametrize("rule", ["efla", "deltanet"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}T{}H{}K{}V{}".format(*s))
-def test_chunk_fp32_forward_backward(rule, shape):
-    _check(_inputs(*shape, rule, seed=hash(shape) % 1000), rule, torch.float32)
+@pytest.mark.parametrize("path", PATHS)
+def test_chunk_fp32_forward_backward(rule, shape, path):
+    _check(_inputs(*shape, rule, seed=hash(shape) % 1000), rule, torch.float32, config=PATHS[path])
 
 
 @pytest.mark.parametrize("rule", ["efla", "deltanet"])
@@ -237,6 +242,18 @@ def test_chunk_split_head_dim_64_extreme_norms():
     _check(inp, "efla", torch.float32, config=dict(bwd="split", prec="tf32x3"))
 
 
+@pytest.mark.parametrize("rule", ["efla", "deltanet"])
+def test_chunk_d64_large_batch_config(rule):
+    """The config the default picks for D64 at B64 H4 (one V block of 64 in both walks, the K side in one tile of
+    64), run at a small batch (same compiled kernels: B is not a constexpr)."""
+    from rlseq.kernels.triton_chunk import _block_v, default_config
+
+    cfg = default_config(256, 64, 64, 64, 4)
+    assert (_block_v(cfg, 64), _block_v(cfg, 64, "kside_block_v"), cfg["bwd"]) == (64, 64, "split")
+    assert _block_v(default_config(256, 64, 64, 8, 4), 64) == 32  # small batches: two V blocks, more programs
+    _check(_inputs(2, 35, 1, 64, 64, rule, seed=67), rule, torch.float32, config=cfg)
+
+
 def test_chunk_split_bf16_and_no_state():
     """bf16 inputs (the kernels write dq, dk, dv, dβ in bf16 directly) and the path without h0 and resets."""
     _check(_inputs(1, 20, 1, 16, 32, "efla", seed=61), "efla", torch.bfloat16, config=SPLIT)
@@ -268,8 +285,8 @@ def test_default_dot_precision_follows_the_input_dtype():
         assert default_config(256, K, V, 8, 4)["prec"] == "tf32x3"
         for dt in (torch.bfloat16, torch.float16):
             assert default_config(256, K, V, 8, 4, dt)["prec"] == "tf32"
-    for D in (16, 32):
-        assert default_config(256, D, D, 8, 4, torch.bfloat16)["prec"] == "ieee"
+    assert default_config(256, 32, 32, 8, 4, torch.bfloat16)["prec"] == "tf32x3"
+    assert default_config(256, 16, 16, 8, 4, torch.bfloat16)["prec"] == "ieee"  # D16: FMA dots, the faster
 
 
 def test_chunk_api_dispatch_and_no_grad_path():

@@ -306,12 +306,26 @@ CANDIDATES = {
     "fr128": dict(fwd_maxnreg=128),
     "vr128": dict(bwd_maxnreg=128),
     "kr168": dict(kside_maxnreg=168),
+    "kr128": dict(kside_maxnreg=128),
+    # one V block of 64 in the walks (half the programs: B64 H4 fits one wave at 2 programs per SM)
+    "bv64": dict(block_v=64),
+    "fbv64": dict(block_v=64, block_v_bwd=32),
+    "vbv64": dict(block_v_bwd=64),
+    "bv64-ks64": dict(block_v=64, kside_block_v=64),
+    "fbv64-ks64": dict(block_v=64, block_v_bwd=32, kside_block_v=64),
     # (v5, tried: the K side as a pipelined loop over 1, 2 or 4 chunks per program with its V loop unrolled: 108
     # bytes of spills, 0.210-0.220 ms against 0.194 at B64)
     # chunks of 32 (v4 kernels, H100: spills in every kernel, 1.3-1.8x slower at D64)
     "c32": dict(chunk_size=32),
     # the D64 default at the head dims where the default is the fused one
     "d64-tuned": dict(mode="prep", num_stages=2, block_v=32, kside_warps=4, bwd="split", prec="tf32x3"),
+    # the v6 D64 path (prep, split, C16) at D16/D32, where the default is still the fused kernel at C32
+    "small-c16": dict(chunk_size=16, mode="prep", num_stages=2, block_v=32, kside_warps=4, prep_warps=1,
+                      prep_stages=1, bwd="split", prec="tf32x3", kside_block_v=64),
+    "small-c16-ieee": dict(chunk_size=16, mode="prep", num_stages=2, block_v=32, kside_warps=4, prep_warps=1,
+                           prep_stages=1, bwd="split", prec="ieee", kside_block_v=64),
+    "small-c16-bv16": dict(chunk_size=16, mode="prep", num_stages=2, block_v=16, kside_warps=4, prep_warps=1,
+                           prep_stages=1, bwd="split", prec="tf32x3", kside_block_v=64),
 }
 TIME_SHAPES = [(8, 256, 4, 64), (64, 256, 4, 64), (8, 256, 4, 32), (64, 256, 4, 16), (16, 1024, 4, 64)]
 CHECK_DIMS = (64, 32)

@@ -294,19 +294,14 @@ def chunk_bwd_k_kernel(q, k, v, beta, resets, hs, dbuf, drbuf, ddsbuf, do, dq, d
     c = bh.to(tl.int64) * NT + n
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
-    q_c, k_c, kh, b_c, lam, g, s, seg, sees, last, carry, row, mqk, mt = _load_keys(
-        q, k, beta, resets, bh // H, bh % H, n * BT, T, H, K, BT, BK, EFLA, HAS_RESETS)
+    mt = n * BT + rt < T
+    row = (bh // H * T + n * BT + rt).to(tl.int64) * H + bh % H
     dqk = tl.zeros([BT, BT], dtype=tl.float32)
     da = tl.zeros([BT, BT], dtype=tl.float32)
     dos0 = tl.zeros([BT, BK], dtype=tl.float32)
     drs0 = tl.zeros([BT, BK], dtype=tl.float32)
     dsv = tl.zeros([BT], dtype=tl.float32)
     crow = c * BT + rt
-    off_k = crow[:, None] * K + rk[None, :]
-    m_k = (rk < K)[None, :]
-    dds = tl.load(ddsbuf + off_k, mask=m_k, other=0.0)
-    for j in range(1, NVV):
-        dds += tl.load(ddsbuf + j * tl.num_programs(0).to(tl.int64) * NT * BT * K + off_k, mask=m_k, other=0.0)
     for v0 in range(0, V, BV):
         rv = v0 + tl.arange(0, BV)
         m_s = (rk < K)[:, None] & (rv < V)[None, :]
@@ -321,6 +316,14 @@ def chunk_bwd_k_kernel(q, k, v, beta, resets, hs, dbuf, drbuf, ddsbuf, do, dq, d
         dos0 = tl.dot(do_c, tl.trans(s0), dos0, input_precision=PREC)
         drs0 = tl.dot(dr_c, tl.trans(s0), drs0, input_precision=PREC)
         dsv += tl.sum(dr_c * v_c, 1)
+    # the key side only now: kept out of the loop's live registers
+    q_c, k_c, kh, b_c, lam, g, s, seg, sees, last, carry, row, mqk, mt = _load_keys(
+        q, k, beta, resets, bh // H, bh % H, n * BT, T, H, K, BT, BK, EFLA, HAS_RESETS)
+    off_k = crow[:, None] * K + rk[None, :]
+    m_k = (rk < K)[None, :]
+    dds = tl.load(ddsbuf + off_k, mask=m_k, other=0.0)
+    for j in range(1, NVV):
+        dds += tl.load(ddsbuf + j * tl.num_programs(0).to(tl.int64) * NT * BT * K + off_k, mask=m_k, other=0.0)
     same = seg[:, None] == seg[None, :]
     dqk = tl.where((rt[:, None] >= rt[None, :]) & same, dqk, 0.0)
     da = tl.where((rt[:, None] > rt[None, :]) & same, -da, 0.0)
@@ -368,33 +371,27 @@ def default_config(T: int, K: int, V: int, B: int | None = None, H: int | None =
       ``kside_block_v``, warps ``kside_warps`` and dot precision ``kside_prec`` (None = ``prec``).
     """
     bk, bv = _pow2(K), _pow2(V)
-    # measured on an H200 at B8/B64 T256 H4 D64 (fwd+bwd, one V block): C16 3.6/7.4 ms, C32 5.1/10.0 ms,
-    # C32 "prep" 4.9/9.9 ms; with V blocks (BV16/BV32) C32 stays slower than C16 (2.1 vs 0.47 ms at B8).
-    bt = 16 if (bk * bv >= 64 * 64 or T <= 16) else 32
-    # V blocks of 16 (B8 H4 D64: 0.47 ms vs 0.74 with 32) unless blocks of 32 still give >= 512 programs
-    # (B64 H4 D64: 1.54 ms vs 1.90 with 16): fewer programs recompute the key side, but too few idle the SMs.
-    block_v = min(bv, 16)
-    if B is not None and H is not None and bv >= 32 and B * H * triton.cdiv(V, 32) >= 512:
-        block_v = 32
-    nw = 4 if bk * block_v <= 64 * 64 else 8
-    # From D64: split backward with 3xTF32 dots (fp32-accurate: ~3e-7 vs float64, as ieee); fwd+bwd on an H200 at
-    # B64 T256 H4 D64 0.86 ms vs 1.64 (fused, ieee), B16 T1024 1.49 vs 1.92. Below, the fused FMA kernel measured
-    # as fast or faster (D32 B8 0.69 vs 0.76-0.81, D16 B64 0.51 vs 0.57-0.82). docs/triton_notes.md, v3.
     big = bk * bv >= 64 * 64
-    cfg = dict(chunk_size=bt, num_warps=nw, num_stages=1, mode="inline", prec="tf32x3" if big else "ieee",
-               block_v=block_v, bwd="split" if big else "fused", block_v_bwd=None, num_warps_bwd=None,
-               kside_block_v=32, kside_warps=8, kside_prec=None, num_stages_bwd=None, kside_stages=None,
-               prep_warps=None, prep_stages=None, fwd_maxnreg=None, bwd_maxnreg=None, kside_maxnreg=None)
-    if bk >= 64 and bv >= 64:
-        # v4, device time per kernel on an H100 (gpu_check --breakdown; B64 / B8 / B16 T1024): P of all chunks in
-        # parallel first, then a walk pipelined over 2 stages: fwd 0.293 -> 0.046 + 0.137 ms at B64, 0.165 ->
-        # 0.064 at B8; V blocks of 32 in the forward and the V side at every B (BV16: fwd 0.29 at B64, V side 0.27
-        # vs 0.22 at B16 T1024); the K side at 4 warps (1 program per SM at 8 warps and 241 regs): 0.394 -> 0.203.
-        # D128 (B8): fwd+bwd replayed from a CUDA graph 0.80 -> 0.31 ms.
-        # v5: the prep kernel also forms A2 = Lq P, M, Qe and Kp (the walks then have 2 dependent products per chunk,
-        # not 3); at 1 warp per (sequence·head, chunk) its 16x16 tiles need no cross-warp reductions: prep 0.103 ->
-        # 0.057 ms at B64, fwd+bwd replayed 0.546 (v4) -> 0.517 ms (same H100).
-        cfg.update(mode="prep", num_stages=2, block_v=32, kside_warps=4, prep_warps=1, prep_stages=1)
+    # v6, every head dim: the prep kernel (key side of all chunks in parallel), walks pipelined over 2 stages, the
+    # split backward, chunks of 16, 1 warp per prep program. Device time of fwd+bwd replayed from a CUDA graph on an
+    # H100 against v5's fused kernel (chunks of 32) below D64: D32 B8 0.252 -> 0.097 ms, B64 0.803 -> 0.255; D16 B8
+    # 0.177 -> 0.068, B64 0.247 -> 0.146 (docs/triton_notes.md, v6).
+    cfg = dict(chunk_size=16, num_warps=4, num_stages=2, mode="prep", prec="tf32x3", block_v=None, bwd="split",
+               block_v_bwd=None, num_warps_bwd=None, kside_block_v=64, kside_warps=4, kside_prec=None,
+               num_stages_bwd=None, kside_stages=None, prep_warps=1, prep_stages=1, fwd_maxnreg=None,
+               bwd_maxnreg=None, kside_maxnreg=None)
+    if bk * bv <= 16 * 16:
+        cfg["prec"] = "ieee"  # D16: FMA dots beat 3xTF32 (B8 0.068 vs 0.083 ms, B64 0.146 vs 0.166)
+    # V blocks: two per (sequence, head) for more programs at small batches; one once B·H >= 256 (~2 walks per SM on
+    # 132 SMs), where splitting V only recomputes the key side: D64 B64 fwd 0.123 -> 0.089 ms, V side 0.136 -> 0.122,
+    # D32 B64 0.311 -> 0.255 ms; at B·H = 128 (D64 B32) one block is slower, 0.262 -> 0.287. D128: blocks of 32.
+    if bv >= 128:
+        cfg["block_v"] = 32
+    elif B is None or H is None or B * H < 256:
+        cfg["block_v"] = max(16, bv // 2)
+    if bk >= 128 or bv >= 128:
+        # the K side in one tile of 64 spills at D128 (no gain); at D64 it takes B64 0.176 -> 0.158 ms
+        cfg["kside_block_v"] = 32
     if big and dtype in (torch.bfloat16, torch.float16):
         # bf16 inputs carry ~2e-3 relative rounding already: one TF32 pass (~1e-3) keeps them within the 1e-2
         # budget at a third of the tensor-core work
