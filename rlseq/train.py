@@ -3,8 +3,9 @@
     python -m rlseq.train --env caveflyer --memory efla
     python -m rlseq.train --env caveflyer --memory deltanet --seed 1 --total-steps 5_000_000
     python -m rlseq.train --env caveflyer --memory lstm --algo sb3-recurrent-ppo
-    python -m rlseq.train --env caveflyer --memory efla --amp bf16 --fused-adam   # faster: bf16 CNN, fused Adam
-    python -m rlseq.train --env caveflyer --memory efla --fused-adam --cuda-graph-train   # training from a CUDA graph
+    python -m rlseq.train --env caveflyer --memory efla --fast    # GPU: bf16 CNN, fused Adam, channels-last, TF32
+    python -m rlseq.train --env caveflyer --memory efla --fast --no-channels-last   # a flag given wins over --fast
+    python -m rlseq.train --env caveflyer --memory efla --fused-adam --no-cuda-graph-train   # eager training
 
 Runs land in ``<logdir>/<env>/<variant>/seed<N>/`` (``variant`` = memory, ``sb3-`` prefixed for the
 sb3-contrib algorithm, ``-<tag>`` appended), so ``tensorboard --logdir runs/caveflyer`` shows the memories
@@ -32,8 +33,13 @@ FLAG_TO_KEY = {
     "value_shift": "value_shift", "prev_action_reward": "prev_action_reward", "checkpoint_every": "checkpoint_every",
     "normalize_reward": "normalize_reward", "amp": "amp", "fused_adam": "fused_adam", "cuda_graph": "cuda_graph",
     "cuda_graph_train": "cuda_graph_train", "channels_last": "channels_last", "env_groups": "env_groups",
+    "tf32": "tf32",
 }
 AMP_CHOICES = ("bf16", "none")
+# --fast: what it sets, unless the flag is given itself
+FAST_PRESET = {"amp": "bf16", "fused_adam": True, "channels_last": True, "tf32": True}
+# cuda_graph_train in a config file: auto (or null) uses the training graph whenever the model allows it
+CUDA_GRAPH_TRAIN_VALUES = ("auto", "null", "true", "false")
 
 
 class UsageError(ValueError):
@@ -65,9 +71,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--normalize-reward", action=argparse.BooleanOptionalAction, default=None,
                    help="VecNormalize the PPO reward")
     p.add_argument("--device", default="auto", help="auto (cuda if available), cpu, cuda, cuda:1, ...")
-    p.add_argument("--tf32", action="store_true",
+    p.add_argument("--fast", action="store_true",
+                   help="the fast GPU setting: shorthand for --amp bf16 --fused-adam --channels-last --tf32, and with "
+                        "fused Adam the training CUDA graph comes on by itself (--cuda-graph-train's auto). It changes "
+                        "rounding (bf16 CNN, TF32, fused Adam); each of those flags given explicitly wins (--fast "
+                        "--amp none). On --resume it must agree with the checkpoint's amp, fused Adam and "
+                        "channels-last, as those flags must. On the CPU the bf16 CNN, "
+                        "channels-last and fused Adam apply too (TF32 and the CUDA graphs are GPU-only): faster on a "
+                        "CPU with native bf16, possibly slower without")
+    p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=None,
                    help="allow TF32 convolutions and matmuls on the GPU (faster; acting and training then differ by "
-                        "~1e-3, so PPO's first ratio is no longer exactly 1)")
+                        "~1e-3, so PPO's first ratio is no longer exactly 1; config: tf32; default off)")
     p.add_argument("--amp", default=None, choices=AMP_CHOICES,
                    help="bf16: run the CNN in bf16 autocast while acting and training (memory, heads, losses and "
                         "optimizer stay fp32); none: all fp32 (config: amp; default none)")
@@ -79,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-train", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each PPO minibatch update (forward, loss, backward, clipping, Adam step) from a CUDA "
                         "graph: same computation, one launch per minibatch instead of hundreds; needs --fused-adam, "
-                        "not for --memory lstm (config: cuda_graph_train; default off, ignored on the CPU)")
+                        "not for --memory lstm (config: cuda_graph_train; default auto: on wherever it can be used, "
+                        "i.e. on a GPU with fused Adam, eager otherwise; --no-cuda-graph-train: always eager)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory layout for the CNN (cuDNN's tensor-core layout, mostly with --amp bf16; "
                         "config: channels_last; default off)")
@@ -124,9 +139,12 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         env = normalize_procgen_name(args.env)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    if getattr(args, "fast", False) and args.algo != "rlseq":
+        raise UsageError("--fast needs --algo rlseq (its bf16 CNN and channels-last are MemoryPPO's; sb3-contrib's "
+                         "RecurrentPPO has no autocast): give --fused-adam --tf32 instead")
     cfg = load_config(Path(args.config) if args.config else DEFAULT_CONFIG, env)
     for flag, key in FLAG_TO_KEY.items():
-        value = getattr(args, flag)
+        value, _ = asked(args, flag)
         if value is not None:
             cfg[key] = value
     for key in ("n_timesteps", "checkpoint_every", "n_envs", "n_steps", "n_minibatches", "n_epochs"):
@@ -155,8 +173,10 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     if cfg["amp"] and args.algo != "rlseq":
         raise UsageError("--amp needs --algo rlseq (sb3-contrib's RecurrentPPO has no autocast)")
     cfg["fused_adam"] = bool(cfg.get("fused_adam", False))
+    cfg["tf32"] = bool(cfg.get("tf32", False))
     cfg["cuda_graph"] = bool(cfg.get("cuda_graph", True)) and args.algo == "rlseq"
-    cfg["cuda_graph_train"] = bool(cfg.get("cuda_graph_train", False)) and args.algo == "rlseq"
+    # "auto", True or False; train() records what runs once the model is known
+    cfg["cuda_graph_train"] = parse_cuda_graph_train(cfg.get("cuda_graph_train", "auto")) if args.algo == "rlseq" else False
     cfg["channels_last"] = bool(cfg.get("channels_last", False))
     if cfg["channels_last"] and args.algo != "rlseq":
         raise UsageError("--channels-last needs --algo rlseq")
@@ -180,6 +200,33 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     cfg.update(env=env, memory=args.memory, algo=args.algo, seed=args.seed, tag=args.tag,
                memory_kwargs=dict(memory_kwargs.get(args.memory, {}) or {}))
     return cfg
+
+
+def asked(args: argparse.Namespace, flag: str) -> tuple[Any, str | None]:
+    """The value of ``flag`` (a :data:`FLAG_TO_KEY` name) from the command line and the option that set it: the flag
+    itself when given, else ``--fast``'s preset value, else ``(None, None)`` (the config decides)."""
+    value = getattr(args, flag, None)
+    if value is not None:
+        return value, "--" + flag.replace("_", "-")
+    if getattr(args, "fast", False) and flag in FAST_PRESET:
+        return FAST_PRESET[flag], "--fast"
+    return None, None
+
+
+def parse_cuda_graph_train(value: Any) -> str | bool:
+    """A config's ``cuda_graph_train``: ``"auto"`` (also null), True or False."""
+    if value is None or isinstance(value, bool):
+        return "auto" if value is None else value
+    text = str(value).strip().lower()
+    if text in CUDA_GRAPH_TRAIN_VALUES:
+        return {"auto": "auto", "null": "auto", "true": True, "false": False}[text]
+    raise UsageError(f"cuda_graph_train {value!r} is not valid; valid: {', '.join(CUDA_GRAPH_TRAIN_VALUES)} "
+                     "(auto and null: the training graph wherever it can be used)")
+
+
+def cuda_graph_train_arg(value: str | bool) -> bool | None:
+    """``MemoryPPO``'s ``cuda_graph_train`` for a resolved config's value (``"auto"`` -> None)."""
+    return None if value == "auto" else bool(value)
 
 
 def _check_cuda_graph_train(args: argparse.Namespace, cfg: dict[str, Any]) -> None:
@@ -250,7 +297,7 @@ def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | No
             policy_kwargs.update(channels_last=True)
         return MemoryPPO("MultiInputPolicy" if dict_obs else "CnnPolicy", env, n_minibatches=cfg["n_minibatches"],
                          policy_kwargs=policy_kwargs, cuda_graph=cfg.get("cuda_graph", True),
-                         cuda_graph_train=cfg.get("cuda_graph_train", False), **common)
+                         cuda_graph_train=cuda_graph_train_arg(cfg.get("cuda_graph_train", "auto")), **common)
     from sb3_contrib import RecurrentPPO
 
     import rlseq.policies as P
@@ -278,10 +325,11 @@ def train(args: argparse.Namespace) -> Path:
     cfg = resolve(args)
     cfg["verbose"] = args.verbose
     # exact by default: with TF32, acting (batch n_envs) and training (batch B*T) pick different conv kernels
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = cfg["tf32"]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     cfg["cuda_graph"] = cfg["cuda_graph"] and torch.device(device).type == "cuda"  # recorded as it runs
-    cfg["cuda_graph_train"] = cfg["cuda_graph_train"] and torch.device(device).type == "cuda"
+    if torch.device(device).type != "cuda":
+        cfg["cuda_graph_train"] = False
     folder = run_dir(args.logdir, cfg)
     try:
         with run_folder_lock(folder):
@@ -323,11 +371,13 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
             raise
         if cfg["algo"] == "rlseq":
             # how acting and training are launched, not what they compute: the flags decide
-            model.cuda_graph, model.cuda_graph_train = cfg["cuda_graph"], cfg["cuda_graph_train"]
+            model.cuda_graph, model.cuda_graph_train = cfg["cuda_graph"], cuda_graph_train_arg(cfg["cuda_graph_train"])
         set_rng_state(torch.load(latest / "rng.pt", weights_only=False))
         print(f"resuming {folder} from {latest.name} ({model.num_timesteps:,} env steps done)", flush=True)
     else:
         model = build_model(cfg, env, device)
+    if cfg["algo"] == "rlseq":  # what runs, not "auto" (a True that cannot be used warns and trains eagerly)
+        cfg["cuda_graph_train"] = model.trains_from_graph()
     # written once the model is known, so that a resumed run records the precision it really trains with
     with open(folder / "config.yaml", "w") as f:
         yaml.safe_dump({**cfg, "device": device}, f, sort_keys=True)
@@ -371,12 +421,17 @@ def saved_speed_settings(model) -> dict[str, Any]:
 
 def _adopt_saved_speed_settings(cfg: dict[str, Any], model, args: argparse.Namespace) -> None:
     """On ``--resume`` the checkpoint's amp / fused-Adam / channels-last settings hold (saved in its ``policy_kwargs``);
-    a flag that asks for something else is refused rather than silently ignored."""
+    a flag (or ``--fast``) that asks for something else is refused rather than silently ignored."""
     saved = saved_speed_settings(model)
-    for flag, key in (("amp", "amp"), ("fused_adam", "fused_adam"), ("channels_last", "channels_last")):
-        asked = getattr(args, flag)
-        if asked is not None and (None if asked == "none" else asked) != saved[key]:
-            raise UsageError(f"the run was trained with {key}={saved[key]}; resume it without --{flag.replace('_', '-')} "
+    for key in ("amp", "fused_adam", "channels_last"):
+        value, option = asked(args, key)
+        if value is not None and (None if value == "none" else value) != saved[key]:
+            if option == "--fast":
+                keep = f"--amp {saved[key] or 'none'}" if key == "amp" else \
+                    f"--{'' if saved[key] else 'no-'}{key.replace('_', '-')}"
+                raise UsageError(f"the run was trained with {key}={saved[key]}, and --fast asks for {key}={value}; "
+                                 f"resume it without --fast, or add {keep} to keep the checkpoint's setting")
+            raise UsageError(f"the run was trained with {key}={saved[key]}; resume it without {option} "
                              "or with the same setting")
     cfg.update(saved)
 

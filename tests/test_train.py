@@ -177,6 +177,7 @@ def test_memory_state_nan_is_reported_with_where():
         (["--algo", "sb3-recurrent-ppo", "--cuda-graph"], "--cuda-graph needs --algo rlseq"),
         (["--cuda-graph", "--device", "cpu"], "--cuda-graph needs a GPU"),
         (["--algo", "sb3-recurrent-ppo", "--channels-last"], "--channels-last needs --algo rlseq"),
+        (["--algo", "sb3-recurrent-ppo", "--fast"], "--fast needs --algo rlseq"),
     ],
 )
 def test_bad_flags_fail_fast_with_the_valid_choices(argv, message, tmp_path, capsys, monkeypatch):
@@ -216,6 +217,8 @@ def test_cli_runs_end_to_end_and_writes_the_run_folder(tiny_run):
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["n_envs"] == 2 and cfg["n_steps"] == 16 and cfg["memory"] == "efla" and cfg["gamma"] == 0.999
+    # what ran on the CPU, not the config's "auto"
+    assert cfg["cuda_graph_train"] is False and cfg["cuda_graph"] is False and cfg["tf32"] is False
     steps = [s for s, _ in _scalars(run, "time/fps")]
     assert steps and max(steps) == 96
     assert _scalars(run, "memory/gate_saturated_frac") and _scalars(run, "memory/state_norm_max")
@@ -642,3 +645,94 @@ def test_a_run_folder_in_use_is_refused_and_free_again_once_its_holder_ends(tmp_
     monkeypatch.setattr(T, "make_env", build)
     train_main(argv)  # a folder holding only the released lock is a fresh run, not "exists; pass --resume"
     assert (folder / "final_model.zip").exists() and (folder / LOCK_NAME).exists()
+
+
+# --- --fast and cuda_graph_train: auto -----------------------------------------------------------------
+
+
+def _resolved(*argv: str, config: Path | None = None) -> dict:
+    from rlseq.train import build_parser, resolve
+
+    extra = ["--config", str(config)] if config is not None else []
+    return resolve(build_parser().parse_args(["--env", "caveflyer", *extra, *argv]))
+
+
+SPEED_KEYS = ("amp", "fused_adam", "channels_last", "tf32")
+
+
+def test_fast_is_the_four_speed_flags_and_a_flag_given_explicitly_wins():
+    assert tuple(_resolved()[k] for k in SPEED_KEYS) == (None, False, False, False)
+    fast = _resolved("--fast")
+    assert tuple(fast[k] for k in SPEED_KEYS) == ("bf16", True, True, True)
+    assert fast["cuda_graph_train"] == "auto"  # comes on with fused Adam on a GPU, by itself
+    for argv, key, value in [(["--amp", "none"], "amp", None), (["--no-fused-adam"], "fused_adam", False),
+                             (["--no-channels-last"], "channels_last", False), (["--no-tf32"], "tf32", False)]:
+        for order in (["--fast", *argv], [*argv, "--fast"]):
+            cfg = _resolved(*order)
+            assert cfg[key] == value and all(cfg[k] == fast[k] for k in SPEED_KEYS if k != key), (order, cfg)
+    assert _resolved("--fast", "--no-cuda-graph-train")["cuda_graph_train"] is False
+
+
+@pytest.mark.parametrize("text,expected", [("auto", "auto"), ("null", "auto"), ("true", True), ("false", False),
+                                           ("'Auto'", "auto")])
+def test_config_cuda_graph_train_takes_auto_null_true_false(text, expected, tmp_path):
+    from rlseq.train import DEFAULT_CONFIG
+
+    original = DEFAULT_CONFIG.read_text()
+    assert "\n  cuda_graph_train: auto " in original
+    config = tmp_path / "c.yml"
+    config.write_text(original.replace("\n  cuda_graph_train: auto ", f"\n  cuda_graph_train: {text} "))
+    assert _resolved(config=config)["cuda_graph_train"] == expected
+    assert type(_resolved(config=config)["cuda_graph_train"]) is type(expected)
+
+
+def test_a_bad_config_cuda_graph_train_is_refused_with_the_valid_values(tmp_path, capsys):
+    from rlseq.train import DEFAULT_CONFIG, UsageError
+
+    config = tmp_path / "c.yml"
+    config.write_text(DEFAULT_CONFIG.read_text().replace("\n  cuda_graph_train: auto ", "\n  cuda_graph_train: sometimes "))
+    with pytest.raises(UsageError, match=r"cuda_graph_train 'sometimes' is not valid; valid: auto, null, true, false"):
+        _resolved(config=config)
+    with pytest.raises(SystemExit) as e:
+        train_main(["--config", str(config), "--logdir", str(tmp_path)])
+    assert e.value.code == 2 and "valid: auto, null, true, false" in capsys.readouterr().err
+
+
+@pytest.fixture
+def restore_tf32():
+    """train() sets the process-wide TF32 switches (--fast turns them on): put them back for the other tests."""
+    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before[:2]
+    torch.set_float32_matmul_precision(before[2])
+
+
+def test_fast_on_the_cpu_trains_records_what_ran_and_must_agree_with_the_checkpoint_on_resume(tmp_path, capsys,
+                                                                                             restore_tf32):
+    import yaml
+
+    base = ["--env", "caveflyer", "--memory", "efla", "--logdir", str(tmp_path), "--no-progress-bar", *TINY]
+    fast_run, plain_run = (tmp_path / "caveflyer" / "efla" / f"seed{s}" for s in (0, 1))
+    train_main(base + ["--total-steps", "32", "--fast"])
+    cfg = yaml.safe_load((fast_run / "config.yaml").read_text())
+    assert tuple(cfg[k] for k in SPEED_KEYS) == ("bf16", True, True, True)
+    assert cfg["cuda_graph_train"] is False and cfg["device"] == "cpu"  # auto on the CPU: eager, recorded as such
+    model = MemoryPPO.load(fast_run / "final_model.zip", device="cpu")
+    assert model.policy.amp_dtype is torch.bfloat16 and model.policy.channels_last
+    assert model.policy.optimizer.defaults["fused"] and model.cuda_graph_train is False
+    train_main(base + ["--total-steps", "32", "--seed", "1"])
+    for run in (fast_run, plain_run):
+        (run / "final_model.zip").unlink()  # interrupted runs, with their checkpoint at step 32
+    refusals = [(["--seed", "1", "--fast"], "the run was trained with amp=None, and --fast asks for amp=bf16; "
+                                            "resume it without --fast, or add --amp none"),
+                (["--seed", "1", "--fast", "--amp", "none"], "the run was trained with fused_adam=False, and --fast "
+                                                             "asks for fused_adam=True; resume it without --fast, or "
+                                                             "add --no-fused-adam"),
+                (["--fast", "--amp", "none"], "the run was trained with amp=bf16; resume it without --amp")]
+    for extra, message in refusals:
+        with pytest.raises(SystemExit) as e:
+            train_main(base + ["--total-steps", "64", "--resume", *extra])
+        assert e.value.code == 2 and message in capsys.readouterr().err, extra
+    train_main(base + ["--total-steps", "64", "--resume", "--fast"])  # the same command plus --resume
+    assert MemoryPPO.load(fast_run / "final_model.zip", device="cpu").num_timesteps == 64
+    assert yaml.safe_load((fast_run / "config.yaml").read_text())["tf32"] is True

@@ -203,6 +203,45 @@ def test_fallback_warns_once_why_and_trains_with_the_eager_loop():
         _train_both(reference, model, None, 2)
 
 
+def _graph_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "cuda_graph_train" in str(w.message)]
+
+
+@pytest.mark.parametrize("extra", [{}, dict(target_kl=0.01), dict(optimizer_kwargs=None)])
+def test_auto_on_the_cpu_trains_eagerly_without_a_warning(extra):
+    model = _cartpole(**extra)  # cuda_graph_train left at its default: auto
+    assert model.cuda_graph_train is None and not model.trains_from_graph()
+    reference = _cartpole(**extra)
+    reference.policy.load_state_dict(model.policy.state_dict())
+    _collect(model)
+    reference.rollout_buffer = model.rollout_buffer
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        _train_both(reference, model, None, 1)
+        _train_both(reference, model, None, 2)
+    assert _graph_warnings(record) == []
+    assert model._train_step is None
+    _assert_same_training(reference, model)
+
+
+def test_cuda_graph_train_true_warns_once_false_never_and_other_values_are_refused():
+    asked, off = _cartpole(cuda_graph_train=True), _cartpole(cuda_graph_train=False)
+    assert asked.trains_from_graph() is off.trains_from_graph() is False
+    said = {}
+    for name, model in (("asked", asked), ("off", off)):
+        _collect(model)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            model.train()
+            model.train()
+        said[name] = _graph_warnings(record)
+        assert model._train_step is None
+    assert len(said["asked"]) == 1 and "the model is on cpu, not a CUDA device" in said["asked"][0]  # once
+    assert said["off"] == []
+    with pytest.raises(ValueError, match=r"cuda_graph_train='auto'; valid: None \(auto"):
+        _cartpole(cuda_graph_train="auto")
+
+
 def test_obstacles_name_the_unfused_optimizer_target_kl_and_the_lstm():
     assert graph_obstacles(_cartpole()) == ["the model is on cpu, not a CUDA device"]
     unfused = _cartpole(optimizer_kwargs=None)
@@ -244,6 +283,22 @@ def test_save_load_round_trip_with_the_option_on(tmp_path):
     model.env.close()
 
 
+@pytest.mark.parametrize("value", [None, False])
+def test_a_saved_model_keeps_its_setting_and_a_false_saved_before_the_auto_default_still_loads(tmp_path, value):
+    model = _cartpole(cuda_graph_train=value)
+    model.save(tmp_path / "m.zip")
+    with zipfile.ZipFile(tmp_path / "m.zip") as z:
+        assert f'"cuda_graph_train": {"null" if value is None else "false"}' in z.read("data").decode()
+    loaded = MemoryPPO.load(tmp_path / "m.zip", env=model.env, device="cpu")
+    assert loaded.cuda_graph_train is value  # SB3's load restores the saved attribute over the default
+    loaded.set_logger(configure(None, []))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        loaded.learn(loaded.n_envs * loaded.n_steps, reset_num_timesteps=False)
+    assert _graph_warnings(record) == [] and loaded._train_step is None
+    model.env.close()
+
+
 def test_cli_and_bench_plumb_the_option(capsys, monkeypatch):
     import argparse
 
@@ -253,8 +308,11 @@ def test_cli_and_bench_plumb_the_option(capsys, monkeypatch):
     def cfg(*argv):
         return resolve(build_parser().parse_args(["--env", "caveflyer", *argv]))
 
-    assert cfg()["cuda_graph_train"] is False  # the config's default
+    assert cfg()["cuda_graph_train"] == "auto"  # the config's default
+    assert cfg("--fused-adam")["cuda_graph_train"] == "auto"
     assert cfg("--cuda-graph-train", "--fused-adam")["cuda_graph_train"] is True
+    assert cfg("--fused-adam", "--no-cuda-graph-train")["cuda_graph_train"] is False
+    assert cfg("--algo", "sb3-recurrent-ppo", "--memory", "efla")["cuda_graph_train"] is False
     assert cfg("--cuda-graph-train", "--fused-adam", "--algo", "sb3-recurrent-ppo", "--memory", "efla",
                "--no-cuda-graph-train")["cuda_graph_train"] is False
     for argv, message in [(["--cuda-graph-train"], "needs --fused-adam"),
@@ -271,6 +329,13 @@ def test_cli_and_bench_plumb_the_option(capsys, monkeypatch):
     assert BT.describe_settings(on).endswith(", training CUDA graph")
     assert "training" not in BT.describe_settings(off)
     assert "train_step" in BT.PHASES
+    # a variant trains from a graph exactly when it says tgraph: +fused alone is not taken over by the auto default
+    tiny = parser.parse_args(["--variants", "rlseq-none", "--n-envs", "2", "--n-steps", "8", "--n-minibatches", "2",
+                              "--num-threads", "0"])
+    for variant, expected in (("rlseq-none+fused", False), ("rlseq-none+fused+tgraph", True), ("rlseq-none", False)):
+        model, built = BT._build(variant, tiny, "cpu")
+        assert model.cuda_graph_train is expected and built["cuda_graph_train"] is expected, variant
+        model.env.close()
     with pytest.raises(SystemExit):
         parser.parse_args(["--variants", "rlseq-lstm+fused+tgraph"])
     assert "tgraph cannot capture rlseq-lstm" in capsys.readouterr().err
@@ -284,8 +349,8 @@ def test_cli_and_bench_plumb_the_option(capsys, monkeypatch):
 # --- on the GPU ---------------------------------------------------------------------------------------
 
 
-def _procgen(memory: str = "efla", *, n_envs: int = 8, n_epochs: int = 3, cuda_graph_train: bool = False,
-             learning_rate=LR, device: str = "cuda") -> MemoryPPO:
+def _procgen(memory: str = "efla", *, n_envs: int = 8, n_epochs: int = 3, cuda_graph_train: bool | None = False,
+             learning_rate=LR, device: str = "cuda", optimizer_kwargs: dict | None = FUSED) -> MemoryPPO:
     """The fast settings on caveflyer: bf16 CNN, NHWC, fused Adam; 8 envs x 32 steps, 2 minibatches of 4 envs."""
     from rlseq.envs import make_procgen
 
@@ -293,7 +358,7 @@ def _procgen(memory: str = "efla", *, n_envs: int = 8, n_epochs: int = 3, cuda_g
     model = MemoryPPO("CnnPolicy", env, n_steps=32, n_minibatches=2, n_epochs=n_epochs, seed=0, device=device,
                       learning_rate=learning_rate, cuda_graph_train=cuda_graph_train,
                       policy_kwargs=dict(memory=memory, memory_kwargs=MEMORY_KWARGS[memory], amp_dtype="bf16",
-                                         channels_last=True, optimizer_kwargs=FUSED))
+                                         channels_last=True, optimizer_kwargs=optimizer_kwargs))
     model.set_logger(configure(None, []))
     return model
 
@@ -399,6 +464,50 @@ def test_efla_triton_chunk_kernel_runs_inside_the_graph(monkeypatch, determinist
     assert True in calls, "the chunk kernel was not captured"
     _assert_same_training(eager, graph, rtol=GRAPH_RTOL, atol=GRAPH_ATOL)
     eager.env.close(), graph.env.close()
+
+
+@cuda
+def test_auto_with_fused_adam_captures_on_cuda(deterministic_cudnn):
+    model = _procgen(cuda_graph_train=None)
+    assert model.trains_from_graph()
+    _collect(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        model.train()  # 6 updates: 2 warm-ups, the capture, 3 replays
+    assert model._train_step is not None and model._train_step._graph is not None
+    model.env.close()
+
+
+@cuda
+def test_auto_with_unfused_adam_trains_eagerly_on_cuda_without_a_warning():
+    model = _procgen(cuda_graph_train=None, optimizer_kwargs=dict(eps=1e-5))
+    assert not model.trains_from_graph()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        model.learn(2 * model.n_envs * model.n_steps)
+    assert _graph_warnings(record) == [] and model._train_step is None
+    model.env.close()
+
+
+@cuda
+def test_cli_fast_on_cuda_trains_from_the_graph_and_records_it(tmp_path):
+    import yaml
+
+    from rlseq.train import main as train_main
+
+    tiny = ["--env", "caveflyer", "--memory", "efla", "--total-steps", "96", "--n-envs", "2", "--n-steps", "16",
+            "--n-minibatches", "2", "--n-epochs", "1", "--num-threads", "0", "--device", "cuda", "--logdir",
+            str(tmp_path), "--no-progress-bar"]
+    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    try:
+        for extra, graphed in ((["--fast"], True), (["--fast", "--no-fused-adam", "--tag", "unfused"], False),
+                               (["--fast", "--no-cuda-graph-train", "--tag", "off"], False)):
+            train_main(tiny + extra)
+            run = tmp_path / "caveflyer" / ("efla" + (f"-{extra[-1]}" if "--tag" in extra else "")) / "seed0"
+            assert yaml.safe_load((run / "config.yaml").read_text())["cuda_graph_train"] is graphed, extra
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before[:2]
+        torch.set_float32_matmul_precision(before[2])
 
 
 _FAILED_CAPTURE = """

@@ -55,14 +55,19 @@ class MemoryPPO(PPO):
     ``cuda_graph`` (default True) replays the acting step from a CUDA graph on CUDA devices (ignored on the CPU;
     see :class:`~rlseq.algos.acting.ActingStep`): same computation and same random draws, ~100x fewer launches.
     Pass False for a features extractor or memory that cannot be captured.
-    ``cuda_graph_train`` (default False) replays each PPO minibatch update (forward, loss, backward, gradient
-    clipping, fused Adam step) from a CUDA graph (see :class:`~rlseq.algos.training.TrainStep`): the same
-    computation in the same order, one launch per minibatch instead of hundreds (the learning rate is read from a
-    float32 tensor: a rate that is not a float32 number is rounded by at most 6e-8 relative). It needs a CUDA device, fused
-    Adam/AdamW and ``target_kl=None``, and is not available for the lstm memory; otherwise ``train()`` warns once why
-    and runs its eager loop. A non-finite loss is then found after the last minibatch instead of before the bad
-    update, which (like every later one of that ``train()`` call) is skipped by the optimizer, so the same
-    :class:`FloatingPointError` is raised with the parameters where the eager loop leaves them.
+    ``cuda_graph_train`` replays each PPO minibatch update (forward, loss, backward, gradient clipping, fused Adam
+    step) from a CUDA graph (see :class:`~rlseq.algos.training.TrainStep`): the same computation in the same order,
+    one launch per minibatch instead of hundreds (the learning rate is read from a float32 tensor: a rate that is not a
+    float32 number is rounded by at most 6e-8 relative). It needs a CUDA device, fused Adam/AdamW and
+    ``target_kl=None``, and is not available for the lstm memory (:func:`~rlseq.algos.training.graph_obstacles`
+    lists what stands in the way). ``None`` (the default, "auto") uses the graph whenever nothing stands in the way
+    and otherwise trains eagerly without a word; ``True`` asks for it: when it cannot be used, ``train()`` warns
+    once why and runs its eager loop; ``False`` always trains eagerly. It is saved with the model: a model saved
+    before the auto default holds ``False`` (set ``model.cuda_graph_train = None`` to let it use the graph). A capture
+    that fails raises, auto or not (an aborted capture can leave the process's CUDA state unusable). With the graph
+    a non-finite loss is found after the last minibatch instead of before the bad update, which (like every later
+    one of that ``train()`` call) is skipped by the optimizer, so the same :class:`FloatingPointError` is raised
+    with the parameters where the eager loop leaves them.
 
     Env groups: given a :class:`~rlseq.envs.groups.VecEnvGroups` of ``G > 1`` groups (directly, or under SB3's
     ``VecTransposeImage``), the rollout steps the groups one after the other, each group's env step overlapping
@@ -102,15 +107,18 @@ class MemoryPPO(PPO):
         seed: int | None = None,
         device: torch.device | str = "auto",
         cuda_graph: bool = True,
-        cuda_graph_train: bool = False,
+        cuda_graph_train: bool | None = None,
         _init_setup_model: bool = True,
     ):
+        if cuda_graph_train not in (None, True, False):
+            raise ValueError(f"cuda_graph_train={cuda_graph_train!r}; valid: None (auto: when it can be used), True, "
+                             "False")
         self.n_minibatches = n_minibatches
         self._memory_state: torch.Tensor | None = None
         self.cuda_graph = cuda_graph
         self._acting: ActingStep | None = None
         self._group_acting: list[ActingStep] = []  # one per env group (own staging buffers and CUDA graph)
-        self.cuda_graph_train = cuda_graph_train
+        self.cuda_graph_train = None if cuda_graph_train is None else bool(cuda_graph_train)
         self._train_step: TrainStep | None = None  # the captured minibatch update (cuda_graph_train)
         self._train_graph_warned: set[str] = set()  # the fallback warnings already given
         self.phases = PhaseTimer()  # enable with model.phases.enabled = True (python -m rlseq.bench train)
@@ -387,19 +395,24 @@ class MemoryPPO(PPO):
 
     def train(self) -> None:
         """PPO updates on the rollout buffer: ``n_epochs`` passes over ``n_minibatches`` random env subsets, eagerly
-        or, with ``cuda_graph_train``, each update replayed from a CUDA graph (:class:`~rlseq.algos.training.TrainStep`)."""
+        or, when :meth:`trains_from_graph`, each update replayed from a CUDA graph (:class:`~rlseq.algos.training.TrainStep`)."""
         self._train(self._graph_train_step())
+
+    def trains_from_graph(self) -> bool:
+        """Whether ``train()`` replays its minibatch updates from a CUDA graph: ``cuda_graph_train`` is True or None
+        (auto) and :func:`~rlseq.algos.training.graph_obstacles` finds nothing in the way."""
+        return self.cuda_graph_train is not False and not graph_obstacles(self)
 
     def _graph_train_step(self) -> TrainStep | None:
         """The CUDA-graph :class:`TrainStep` for this ``train()`` call, or None for the eager loop: when
-        ``cuda_graph_train`` is off, or when it cannot be used (one warning saying why). A capture that fails raises
-        (:class:`TrainStep`)."""
-        if not self.cuda_graph_train:
+        ``cuda_graph_train`` is False, or when the graph cannot be used (auto: silently; True: one warning saying
+        why). A capture that fails raises (:class:`TrainStep`)."""
+        if self.cuda_graph_train is False:
             return None
         reasons = graph_obstacles(self)
         if reasons:
             message = "; ".join(reasons)
-            if message not in self._train_graph_warned:
+            if self.cuda_graph_train and message not in self._train_graph_warned:  # asked for, so say why not
                 self._train_graph_warned.add(message)
                 warnings.warn(f"cuda_graph_train: {message}. Training runs the eager loop instead.", RuntimeWarning,
                               stacklevel=3)

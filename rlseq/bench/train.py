@@ -109,7 +109,8 @@ def _groups_option(option: str) -> int | None:
 def settings(variant: str, args: argparse.Namespace) -> dict:
     """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last", "env_groups"}`` of one
     variant: the flags plus its ``+`` options. Everything but TF32 only ever applies to the rlseq variants, and
-    ``--cuda-graph-train`` not to a memory whose training pass cannot be captured (rlseq-lstm)."""
+    ``--cuda-graph-train`` not to a memory whose training pass cannot be captured (rlseq-lstm). ``cuda_graph_train`` is
+    always True or False, never ``python -m rlseq.train``'s auto: only tgraph (or ``--cuda-graph-train``) turns it on."""
     base, *options = variant.split("+")
     rlseq = base.startswith("rlseq-")
     groups = [g for g in map(_groups_option, options) if g is not None]
@@ -134,8 +135,10 @@ def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None
     from rlseq.train import build_parser, resolve
 
     argv = ["--env", args.env, "--memory", memory, "--algo", algo, "--seed", str(args.seed)]
-    if speed is not None:  # always explicit, so a config file's amp / fused_adam cannot leak into the labels
+    if speed is not None:  # always explicit, so a config file's amp / fused_adam cannot leak into the labels, and
+        # the training graph's auto default cannot turn it on for +fused without +tgraph
         argv += ["--amp", speed["amp"] or "none", "--fused-adam" if speed["fused_adam"] else "--no-fused-adam",
+                 "--tf32" if speed["tf32"] else "--no-tf32",
                  "--cuda-graph" if speed["cuda_graph"] else "--no-cuda-graph",
                  "--cuda-graph-train" if speed["cuda_graph_train"] else "--no-cuda-graph-train",
                  "--channels-last" if speed["channels_last"] else "--no-channels-last",
