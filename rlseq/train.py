@@ -328,8 +328,8 @@ def train(args: argparse.Namespace) -> Path:
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = cfg["tf32"]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     cfg["cuda_graph"] = cfg["cuda_graph"] and torch.device(device).type == "cuda"  # recorded as it runs
-    if torch.device(device).type != "cuda":
-        cfg["cuda_graph_train"] = False
+    if torch.device(device).type != "cuda" and cfg["cuda_graph_train"] is True:
+        cfg["cuda_graph_train"] = False  # a config's true on the CPU: nothing to capture (auto stays auto for a GPU)
     folder = run_dir(args.logdir, cfg)
     try:
         with run_folder_lock(folder):
