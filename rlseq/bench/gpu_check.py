@@ -266,11 +266,11 @@ def warm(device, i, n, configs, fla=True) -> None:
 
 # --- issue 3 candidates: named configs, checked and timed in one call (--candidates) -------------------------
 
-# overrides of triton_chunk.default_config; "default" is today's default (from D64: split backward, 3xTF32 dots;
-# below: the fused backward with FMA dots)
+# overrides of triton_chunk.default_config; "default" is today's default (v6, every head dim: prep kernel, split
+# backward, C16; 3xTF32 dots, FMA at D16)
 CANDIDATES = {
     "default": {},
-    # the fused backward (one kernel per (sequence·head, V block)): the default below D64; at D64 before v3
+    # the fused backward (one kernel per (sequence·head, V block)): at D64 before v3, below D64 before v6
     "fused-ieee": dict(bwd="fused", prec="ieee", kside_warps=4),
     "fused-tf32x3": dict(bwd="fused", prec="tf32x3"),
     "fused-inline": dict(bwd="fused", mode="inline", num_stages=1),
@@ -317,15 +317,11 @@ CANDIDATES = {
     # bytes of spills, 0.210-0.220 ms against 0.194 at B64)
     # chunks of 32 (v4 kernels, H100: spills in every kernel, 1.3-1.8x slower at D64)
     "c32": dict(chunk_size=32),
-    # the D64 default at the head dims where the default is the fused one
-    "d64-tuned": dict(mode="prep", num_stages=2, block_v=32, kside_warps=4, bwd="split", prec="tf32x3"),
-    # the v6 D64 path (prep, split, C16) at D16/D32, where the default is still the fused kernel at C32
-    "small-c16": dict(chunk_size=16, mode="prep", num_stages=2, block_v=32, kside_warps=4, prep_warps=1,
-                      prep_stages=1, bwd="split", prec="tf32x3", kside_block_v=64),
-    "small-c16-ieee": dict(chunk_size=16, mode="prep", num_stages=2, block_v=32, kside_warps=4, prep_warps=1,
-                           prep_stages=1, bwd="split", prec="ieee", kside_block_v=64),
-    "small-c16-bv16": dict(chunk_size=16, mode="prep", num_stages=2, block_v=16, kside_warps=4, prep_warps=1,
-                           prep_stages=1, bwd="split", prec="tf32x3", kside_block_v=64),
+    # D16/D32 (v6 H100, replayed ms): v5's default there (fused, C32, FMA, V blocks of 16) against the v6 default;
+    # the dot precision either way (D32 B8 0.107 FMA vs 0.097 3xTF32; D16 B8 0.068 FMA vs 0.083 3xTF32)
+    "v5-small": dict(chunk_size=32, mode="inline", num_stages=1, bwd="fused", prec="ieee", block_v=16),
+    "ieee": dict(prec="ieee"),
+    "tf32x3": dict(prec="tf32x3"),
 }
 TIME_SHAPES = [(8, 256, 4, 64), (64, 256, 4, 64), (8, 256, 4, 32), (64, 256, 4, 16), (16, 1024, 4, 64)]
 CHECK_DIMS = (64, 32)

@@ -36,23 +36,28 @@ from rlseq.kernels.triton_core import gate_bwd, gate_fwd, segments, tril_inverse
 
 
 @triton.jit
+def _chunk_rows(b, h, t0, T, H: tl.constexpr, BT: tl.constexpr):
+    """``row [BT]``, the int64 row index into the ``[B·T·H, ·]`` layout of steps ``t0 .. t0+BT`` of sequence ``b``,
+    head ``h``, and ``mt [BT]``, which of them are inside T."""
+    t = t0 + tl.arange(0, BT)
+    return (b * T + t).to(tl.int64) * H + h, t < T
+
+
+@triton.jit
 def _load_keys(q, k, beta, resets, b, h, t0, T, H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr,
                BK: tl.constexpr, EFLA: tl.constexpr, HAS_RESETS: tl.constexpr):
     """Load the key side of one chunk (fp32, zeros past T) and form the unit-key gate and the segment masks.
 
     Returns ``q, k, k̂ [BT, BK]``, ``β, λ, g, s [BT]`` (``w = s v``), ``seg, sees, last [BT]``, ``carry``, ``row [BT]``
     (int64 row index into the ``[B·T·H, ·]`` layout), ``mqk [BT, BK]`` and ``mt [BT]`` (the in-range masks)."""
-    rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
-    t = t0 + rt
-    mt = t < T
-    row = (b * T + t).to(tl.int64) * H + h
+    row, mt = _chunk_rows(b, h, t0, T, H, BT)
     mqk = mt[:, None] & (rk < K)[None, :]
     q_c = tl.load(q + row[:, None] * K + rk[None, :], mask=mqk, other=0.0).to(tl.float32)
     k_c = tl.load(k + row[:, None] * K + rk[None, :], mask=mqk, other=0.0).to(tl.float32)
     b_c = tl.load(beta + row, mask=mt, other=0.0).to(tl.float32)
     if HAS_RESETS:
-        r = tl.load(resets + b.to(tl.int64) * T + t, mask=mt, other=0).to(tl.int32)
+        r = tl.load(resets + b.to(tl.int64) * T + t0 + tl.arange(0, BT), mask=mt, other=0).to(tl.int32)
     else:
         r = tl.zeros([BT], dtype=tl.int32)
     lam = tl.sum(k_c * k_c, 1)
@@ -294,8 +299,7 @@ def chunk_bwd_k_kernel(q, k, v, beta, resets, hs, dbuf, drbuf, ddsbuf, do, dq, d
     c = bh.to(tl.int64) * NT + n
     rt = tl.arange(0, BT)
     rk = tl.arange(0, BK)
-    mt = n * BT + rt < T
-    row = (bh // H * T + n * BT + rt).to(tl.int64) * H + bh % H
+    row, mt = _chunk_rows(bh // H, bh % H, n * BT, T, H, BT)
     dqk = tl.zeros([BT, BT], dtype=tl.float32)
     da = tl.zeros([BT, BT], dtype=tl.float32)
     dos0 = tl.zeros([BT, BK], dtype=tl.float32)
@@ -317,7 +321,7 @@ def chunk_bwd_k_kernel(q, k, v, beta, resets, hs, dbuf, drbuf, ddsbuf, do, dq, d
         drs0 = tl.dot(dr_c, tl.trans(s0), drs0, input_precision=PREC)
         dsv += tl.sum(dr_c * v_c, 1)
     # the key side only now: kept out of the loop's live registers
-    q_c, k_c, kh, b_c, lam, g, s, seg, sees, last, carry, row, mqk, mt = _load_keys(
+    q_c, k_c, kh, b_c, lam, g, s, seg, sees, last, carry, _, mqk, _ = _load_keys(
         q, k, beta, resets, bh // H, bh % H, n * BT, T, H, K, BT, BK, EFLA, HAS_RESETS)
     off_k = crow[:, None] * K + rk[None, :]
     m_k = (rk < K)[None, :]
