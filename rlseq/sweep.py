@@ -40,6 +40,7 @@ run and is rewritten atomically whenever one starts or ends. The exit code is 0 
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -238,13 +239,15 @@ def _tail(path: Path, n: int = 15) -> list[str]:
         return []
 
 
-def _stop_with_parent() -> None:
+def _stop_with_parent(sweep_pid: int) -> None:
     """In a training process, before exec (Linux): get SIGTERM when the sweep dies, even by SIGKILL, so no
     orphan keeps training into a folder that the next sweep resumes (its run-folder lock would refuse it)."""
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != sweep_pid:  # the sweep died between the fork and prctl: no signal will come
+        os._exit(1)
 
 
 def execute(runs: list[Run], slots: list[str | None], *, status_path: Path, spec_name: str,
@@ -298,7 +301,8 @@ def execute(runs: list[Run], slots: list[str | None], *, status_path: Path, spec
                     log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
                     log.flush()
                     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            preexec_fn=_stop_with_parent if sys.platform == "linux" else None)
+                                            preexec_fn=functools.partial(_stop_with_parent, os.getpid())
+                                            if sys.platform == "linux" else None)
                 run.state, run.gpu, run.started = "running", slot, time.time()
                 active[proc] = (run, slot)
                 if stopping:  # the signal came between Popen and here

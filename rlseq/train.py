@@ -357,6 +357,8 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
         raise UsageError(f"run folder {folder} exists; pass --resume to continue it, or another --seed/--tag/--logdir")
     if args.resume and latest is None and any(folder.glob("events.out.tfevents.*")):
         print(f"{folder} has no checkpoint yet: starting it again from step 0", flush=True)
+    if args.resume and latest is None:  # a fresh start after all: resolve() left this check to the checkpoint
+        _check_cuda_graph_train(args, cfg)
 
     env = make_env({**cfg, "normalize_reward": cfg.get("normalize_reward") and latest is None}, seed=cfg["seed"])
     if latest is not None and args.resume:

@@ -9,3 +9,16 @@ A value set outside wins: ``TRITON_INTERPRET=0 pytest tests/test_acting.py`` run
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture
+def restore_tf32():
+    """train() sets the process-wide TF32 switches (--fast turns them on): put them back for the other tests."""
+    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before[:2]
+    torch.set_float32_matmul_precision(before[2])

@@ -72,8 +72,9 @@ def tiny_bench_train(variants: list[str], n_envs: int) -> None:
                 "--n-epochs", "1", "--num-threads", "0", "--warmup", "1", "--rollouts", "1", "--device", "cpu"])
 
 
-def collect_rollout(model, setup: bool = True) -> None:
-    """One rollout of ``model`` into its buffer (``_setup_learn`` first unless ``setup`` is False)."""
+def collect_rollout(model, callback=None, setup: bool = True) -> bool:
+    """One rollout of ``model`` into its buffer (``_setup_learn`` first unless ``setup`` is False), with ``callback``
+    (default: one that never stops); returns ``collect_rollouts``' answer (False: the callback stopped it)."""
     from stable_baselines3.common.callbacks import BaseCallback
 
     class _NoOp(BaseCallback):
@@ -82,6 +83,6 @@ def collect_rollout(model, setup: bool = True) -> None:
 
     if setup:
         model._setup_learn(10_000)
-    cb = _NoOp()
-    cb.init_callback(model)
-    assert model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
+    callback = callback or _NoOp()
+    callback.init_callback(model)
+    return model.collect_rollouts(model.env, callback, model.rollout_buffer, model.n_steps)

@@ -17,7 +17,7 @@ from gymnasium import spaces
 
 from rlseq.algos.acting import ActingStep
 from rlseq.policies.actor_critic import MemoryPPOPolicy
-from tests.helpers import assert_same_rollouts
+from tests.helpers import assert_same_rollouts, collect_rollout
 
 MEMORY_KWARGS = {"efla": {"n_heads": 2, "head_dim": 16}, "deltanet": {"n_heads": 2, "head_dim": 16},
                  "lstm": {"hidden_size": 32}, "none": {}}
@@ -170,15 +170,10 @@ def test_graph_reports_non_finite_outputs():
 @pytest.mark.parametrize("memory", ["efla", "lstm"])
 def test_training_with_graph_acting_reproduces_eager_acting(memory):
     """Two seeded runs, eager and graph acting: the same rollouts (actions, values, memory) and the same update."""
-    from stable_baselines3.common.callbacks import BaseCallback
     from stable_baselines3.common.logger import configure
 
     from rlseq.algos import MemoryPPO
     from rlseq.envs import make_procgen
-
-    class NoOp(BaseCallback):
-        def _on_step(self) -> bool:
-            return True
 
     buffers = []
     for cuda_graph in (False, True):
@@ -186,12 +181,9 @@ def test_training_with_graph_acting_reproduces_eager_acting(memory):
         model = MemoryPPO("CnnPolicy", env, n_steps=32, n_minibatches=2, n_epochs=1, seed=0, device="cuda",
                           cuda_graph=cuda_graph, policy_kwargs=dict(memory=memory, memory_kwargs=MEMORY_KWARGS[memory]))
         model.set_logger(configure(None, []))
-        model._setup_learn(10_000)
-        cb = NoOp()
-        cb.init_callback(model)
         runs = []
-        for _ in range(2):  # the second rollout acts with the updated weights through the same graph
-            assert model.collect_rollouts(model.env, cb, model.rollout_buffer, model.n_steps)
+        for rollout in range(2):  # the second rollout acts with the updated weights through the same graph
+            assert collect_rollout(model, setup=rollout == 0)
             b = model.rollout_buffer
             runs.append([x.clone() for x in (b.actions, b.values, b.log_probs, b.episode_starts, model._memory_state)])
             model.train()

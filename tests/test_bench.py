@@ -30,3 +30,20 @@ def test_bench_envs_prints_the_wrapper_overhead(capsys):
     bench_main(["envs", "--n-envs", "4", "--steps", "10", "--warmup", "2", "--repeats", "2", "--num-threads", "0"])
     out = capsys.readouterr().out
     assert "steps/s" in out and "%" in out
+
+
+def test_the_same_options_baseline_ignores_the_options_order():
+    from rlseq.bench.train import _same_options_baseline
+
+    base = {"rlseq-none": 1.0, "rlseq-none+graph+bf16": 2.0, "rlseq-efla+bf16+graph": 3.0, "sb3-ppo": 4.0}
+    assert _same_options_baseline("rlseq-efla+bf16+graph", base) == 2.0
+    assert _same_options_baseline("rlseq-efla", base) == 1.0
+    assert _same_options_baseline("rlseq-efla+bf16", base) is None
+
+
+def test_gpu_check_time_configs_are_valid_configs():
+    from rlseq.bench.gpu_check import time_configs
+    from rlseq.kernels.triton_chunk import check_config, default_config
+
+    for cfg in time_configs()[1:]:
+        check_config({**default_config(256, 64, 64, 8, 4), **cfg})  # raises on a combination the kernels refuse

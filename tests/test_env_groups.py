@@ -23,6 +23,7 @@ from rlseq.envs import VecEnvGroups
 from rlseq.envs.groups import envs_per_group
 from rlseq.train import main as train_main
 from tests.helpers import assert_same_rollouts, tiny_bench_train
+from tests.helpers import collect_rollout as _collect
 
 MEMORY_KWARGS = {"efla": {"n_heads": 2, "head_dim": 16}, "lstm": {"hidden_size": 32}}
 
@@ -86,14 +87,6 @@ def _model(env, memory: str = "efla", n_steps: int = 32, **kwargs) -> MemoryPPO:
                       policy_kwargs=dict(memory=memory, memory_kwargs=MEMORY_KWARGS[memory]), **kwargs)
     model.set_logger(configure(None, []))
     return model
-
-
-def _collect(model: MemoryPPO, callback: BaseCallback | None = None, setup: bool = True) -> bool:
-    if setup:
-        model._setup_learn(100_000)
-    callback = callback or Recorder()
-    callback.init_callback(model)
-    return model.collect_rollouts(model.env, callback, model.rollout_buffer, model.n_steps)
 
 
 def _cartpole_groups(n_envs: int = 4, n_groups: int = 2, **kwargs) -> VecEnvGroups:
@@ -248,6 +241,16 @@ def test_shared_statistic_survives_save_and_load(tmp_path):
     assert (norms[0].ret_rms.count, norms[0].ret_rms.mean, norms[0].ret_rms.var) == (saved.count, saved.mean, saved.var)
     assert [n.returns.shape for n in norms] == [(2,), (2,)]
 
+
+
+def test_the_statistic_a_checkpoint_saves_is_the_outer_vecnormalize_or_group_0s():
+    inner = _model(_tagged_groups(4, 2, normalize=True))
+    assert inner.get_vec_normalize_env() is inner.env.vec_normalize is not None
+    outer_env = VecNormalize(_cartpole_groups(), norm_obs=False)  # groups without their own: the outer one counts
+    outer = _model(outer_env, n_steps=8)
+    assert outer.get_vec_normalize_env() is outer_env
+    for model in (inner, outer):
+        model.env.close()
 
 # --- the pipelined rollout -------------------------------------------------------------------------------
 

@@ -647,6 +647,19 @@ def test_a_run_folder_in_use_is_refused_and_free_again_once_its_holder_ends(tmp_
     assert (folder / "final_model.zip").exists() and (folder / LOCK_NAME).exists()
 
 
+
+def test_cuda_graph_train_without_fused_adam_is_refused_on_a_resume_that_finds_no_checkpoint(tmp_path, capsys,
+                                                                                             monkeypatch):
+    import rlseq.train as T
+
+    # resolve() leaves this check to the checkpoint on --resume; with none found the run starts fresh and must check
+    monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built for a refused run"))
+    with pytest.raises(SystemExit) as e:
+        train_main(["--env", "caveflyer", "--memory", "efla", "--logdir", str(tmp_path), "--no-progress-bar",
+                    "--cuda-graph-train", "--resume", *TINY])
+    assert e.value.code == 2
+    assert "--cuda-graph-train needs --fused-adam" in capsys.readouterr().err
+
 # --- --fast and cuda_graph_train: auto -----------------------------------------------------------------
 
 
@@ -696,15 +709,6 @@ def test_a_bad_config_cuda_graph_train_is_refused_with_the_valid_values(tmp_path
     with pytest.raises(SystemExit) as e:
         train_main(["--config", str(config), "--logdir", str(tmp_path)])
     assert e.value.code == 2 and "valid: auto, null, true, false" in capsys.readouterr().err
-
-
-@pytest.fixture
-def restore_tf32():
-    """train() sets the process-wide TF32 switches (--fast turns them on): put them back for the other tests."""
-    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before[:2]
-    torch.set_float32_matmul_precision(before[2])
 
 
 def test_fast_on_the_cpu_trains_records_what_ran_and_must_agree_with_the_checkpoint_on_resume(tmp_path, capsys,

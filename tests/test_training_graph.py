@@ -490,7 +490,7 @@ def test_auto_with_unfused_adam_trains_eagerly_on_cuda_without_a_warning():
 
 
 @cuda
-def test_cli_fast_on_cuda_trains_from_the_graph_and_records_it(tmp_path):
+def test_cli_fast_on_cuda_trains_from_the_graph_and_records_it(tmp_path, restore_tf32):
     import yaml
 
     from rlseq.train import main as train_main
@@ -498,16 +498,11 @@ def test_cli_fast_on_cuda_trains_from_the_graph_and_records_it(tmp_path):
     tiny = ["--env", "caveflyer", "--memory", "efla", "--total-steps", "96", "--n-envs", "2", "--n-steps", "16",
             "--n-minibatches", "2", "--n-epochs", "1", "--num-threads", "0", "--device", "cuda", "--logdir",
             str(tmp_path), "--no-progress-bar"]
-    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, torch.get_float32_matmul_precision())
-    try:
-        for extra, graphed in ((["--fast"], True), (["--fast", "--no-fused-adam", "--tag", "unfused"], False),
-                               (["--fast", "--no-cuda-graph-train", "--tag", "off"], False)):
-            train_main(tiny + extra)
-            run = tmp_path / "caveflyer" / ("efla" + (f"-{extra[-1]}" if "--tag" in extra else "")) / "seed0"
-            assert yaml.safe_load((run / "config.yaml").read_text())["cuda_graph_train"] is graphed, extra
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before[:2]
-        torch.set_float32_matmul_precision(before[2])
+    for extra, graphed in ((["--fast"], True), (["--fast", "--no-fused-adam", "--tag", "unfused"], False),
+                           (["--fast", "--no-cuda-graph-train", "--tag", "off"], False)):
+        train_main(tiny + extra)
+        run = tmp_path / "caveflyer" / ("efla" + (f"-{extra[-1]}" if "--tag" in extra else "")) / "seed0"
+        assert yaml.safe_load((run / "config.yaml").read_text())["cuda_graph_train"] is graphed, extra
 
 
 _FAILED_CAPTURE = """

@@ -159,30 +159,39 @@ def test_chunk_repeated_keys_are_stable():
 # --- V split into blocks (config["block_v"]): per-block forward, partial dq/dk/dβ summed over blocks ------
 
 
+# both backwards: the fused one sums per-block partials of dq, dk, dβ; the split one's V side blocks its walk
+BWDS = ["split", "fused"]
+
+
+@pytest.mark.parametrize("bwd", BWDS)
 @pytest.mark.parametrize("rule", ["efla", "deltanet"])
-def test_chunk_v_blocks_partial_last_block(rule):
+def test_chunk_v_blocks_partial_last_block(rule, bwd):
     """K ≠ V, neither a power of two: V=48 in blocks of 16 → 4 blocks over a padded 64, the last one empty;
     resets, zero keys, initial state, T not a multiple of the chunk; gradients against the float64 oracle."""
-    _check(_inputs(2, 37, 1, 24, 48, rule, seed=31), rule, torch.float32, config=dict(chunk_size=16, block_v=16))
+    _check(_inputs(2, 37, 1, 24, 48, rule, seed=31), rule, torch.float32,
+           config=dict(chunk_size=16, block_v=16, bwd=bwd))
 
 
+@pytest.mark.parametrize("bwd", BWDS)
 @pytest.mark.parametrize("rule", ["efla", "deltanet"])
-def test_chunk_two_v_blocks_match_one_block(rule):
+def test_chunk_two_v_blocks_match_one_block(rule, bwd):
     """V=32 with block_v=16 (2 blocks) equals the single-block kernel to fp32 rounding, and both the oracle."""
     inp = _inputs(1, 33, 2, 16, 32, rule, seed=41)
-    _check(inp, rule, torch.float32, config=dict(block_v=16))
-    one = _run(inp, rule, "triton", torch.float32, grads=True, config=dict(block_v=None))
-    two = _run(inp, rule, "triton", torch.float32, grads=True, config=dict(block_v=16))
+    _check(inp, rule, torch.float32, config=dict(block_v=16, bwd=bwd))
+    one = _run(inp, rule, "triton", torch.float32, grads=True, config=dict(block_v=None, bwd=bwd))
+    two = _run(inp, rule, "triton", torch.float32, grads=True, config=dict(block_v=16, bwd=bwd))
     assert rel_err(two[0], one[0]) < 1e-6 and rel_err(two[1], one[1]) < 1e-6
     for n in one[2]:
         assert rel_err(two[2][n], one[2][n]) < 1e-6, n
 
 
-def test_chunk_v_blocks_bf16_and_no_state():
+@pytest.mark.parametrize("bwd", BWDS)
+def test_chunk_v_blocks_bf16_and_no_state(bwd):
     """The reduction path with bf16 inputs (partials in fp32, one cast) and without h0/resets."""
     inp = _inputs(1, 20, 1, 16, 32, "efla", seed=43)
-    _check(inp, "efla", torch.bfloat16, config=dict(block_v=16))
-    _check(inp, "efla", torch.float32, with_h0=False, with_resets=False, config=dict(block_v=16, chunk_size=32))
+    _check(inp, "efla", torch.bfloat16, config=dict(block_v=16, bwd=bwd))
+    _check(inp, "efla", torch.float32, with_h0=False, with_resets=False,
+           config=dict(block_v=16, chunk_size=32, bwd=bwd))
 
 
 def test_chunk_block_v_validation():
@@ -218,7 +227,7 @@ def test_chunk_split_matches_fused(rule):
                num_warps_bwd=2, kside_warps=2)
     _check(inp, rule, torch.float32, config=cfg)
     split = _run(inp, rule, "triton", torch.float32, grads=True, config=cfg)
-    fused = _run(inp, rule, "triton", torch.float32, grads=True, config=dict(chunk_size=32))
+    fused = _run(inp, rule, "triton", torch.float32, grads=True, config=dict(chunk_size=32, bwd="fused"))
     assert rel_err(split[0], fused[0]) < 1e-6 and rel_err(split[1], fused[1]) < 1e-6
     for n in fused[2]:
         assert rel_err(split[2][n], fused[2][n]) < 1e-6, n

@@ -97,13 +97,6 @@ class SequenceRolloutBuffer:
                                "store each env group's records with the same env slice every step")
         return int(steps[0])
 
-    def add(self, obs: torch.Tensor | dict[str, torch.Tensor], actions: torch.Tensor, rewards: torch.Tensor,
-            episode_starts: torch.Tensor, values: torch.Tensor, log_probs: torch.Tensor, envs: slice | None = None) -> None:
-        """Store one step for the envs ``envs`` (all by default); tensors are ``[n, ...]`` for those ``n`` envs.
-        Same as :meth:`add_step` then :meth:`add_rewards`."""
-        self.add_step(obs, actions, episode_starts, values, log_probs, envs)
-        self.add_rewards(rewards, envs)
-
     def add_step(self, obs: torch.Tensor | dict[str, torch.Tensor], actions: torch.Tensor,
                  episode_starts: torch.Tensor, values: torch.Tensor, log_probs: torch.Tensor,
                  envs: slice | None = None) -> None:

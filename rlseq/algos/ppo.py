@@ -160,10 +160,11 @@ class MemoryPPO(PPO):
                                                   "_train_graph_warned"]
 
     def get_vec_normalize_env(self) -> VecNormalize | None:
-        """SB3's ``VecNormalize`` of the training env; with env groups, group 0's, whose running statistics every
-        group shares (what a checkpoint must save)."""
-        groups = find_env_groups(self.env) if self.env is not None else None
-        return groups.vec_normalize if groups is not None else super().get_vec_normalize_env()
+        """SB3's ``VecNormalize`` of the training env: one that wraps the whole env, else, with env groups inside,
+        group 0's, whose running statistics every group shares (what a checkpoint must save)."""
+        outer = super().get_vec_normalize_env()
+        groups = find_env_groups(self.env) if outer is None and self.env is not None else None
+        return groups.vec_normalize if groups is not None else outer
 
     def _setup_learn(self, total_timesteps: int, callback: MaybeCallback = None, reset_num_timesteps: bool = True,
                      tb_log_name: str = "run", progress_bar: bool = False) -> tuple[int, BaseCallback]:

@@ -213,8 +213,9 @@ def timing(device, log, configs, shapes):
 
 
 def time_configs() -> list:
-    """Index 0 is the default (None); 1 the previous default at D64 (one V block, C16); then variants."""
-    base = dict(chunk_size=16, num_warps=4, num_stages=1, mode="inline", prec="ieee")
+    """Index 0 is the default (None); then the v2-era inline forward with the fused backward (P computed inside the
+    walks; split needs the prep kernel): 1 one V block at C16, then variants, one with the prep kernel."""
+    base = dict(chunk_size=16, num_warps=4, num_stages=1, mode="inline", prec="ieee", bwd="fused")
     return [None, dict(base, block_v=None), dict(base, block_v=32), dict(base, block_v=16, num_warps=2),
             dict(base, block_v=16, chunk_size=32), dict(base, block_v=32, chunk_size=32),
             dict(base, block_v=16, num_warps=8), dict(base, block_v=16, mode="prep"),
@@ -597,7 +598,8 @@ def ptxas_report(names, shapes, arch=90) -> None:
                     sig[arg] = "i32"
             t0 = time.time()
             k = triton_compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", arch, 32),
-                               options=dict(num_warps=kw["num_warps"], num_stages=kw["num_stages"]))
+                               options=dict(num_warps=kw["num_warps"], num_stages=kw["num_stages"],
+                                            **tc._maxnreg(kw.get("maxnreg"))))
             ct = time.time() - t0
             with tempfile.TemporaryDirectory() as tmp:
                 src = f"{tmp}/k.ptx"
@@ -606,6 +608,8 @@ def ptxas_report(names, shapes, arch=90) -> None:
                 log = subprocess.run([knobs.nvidia.ptxas.path, "-v", f"--gpu-name=sm_{arch}a", src, "-o", f"{tmp}/k.o"],
                                      capture_output=True, text=True).stderr
             regs = re.search(r"Used (\d+) registers", log)
+            if regs is None:  # e.g. a Triton whose PTX is newer than its bundled ptxas
+                print(f"ptxas gave no register count for {fn.__name__}: {log.strip()[:200]}", file=sys.stderr)
             spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
             print(f"| {(B, T, H, D)} | {name} | {fn.__name__} w{kw['num_warps']} | {regs.group(1) if regs else '?'} | "
                   f"{'/'.join(spill.groups()) if spill else '?'} | {ct:.1f} |", flush=True)

@@ -258,9 +258,10 @@ def measure_all(args: argparse.Namespace, device: str) -> list[dict]:
 
 
 def _same_options_baseline(variant: str, base: dict[str, float]) -> float | None:
-    """env-steps/s of ``rlseq-none`` with ``variant``'s ``+`` options, if that was measured."""
-    options = variant.split("+")[1:]
-    return base.get("+".join(["rlseq-none", *options]))
+    """env-steps/s of ``rlseq-none`` with ``variant``'s ``+`` options, in any order, if that was measured."""
+    options = set(variant.split("+")[1:])
+    return next((v for name, v in base.items()
+                 if name.split("+")[0] == "rlseq-none" and set(name.split("+")[1:]) == options), None)
 
 
 def main(args: argparse.Namespace) -> None:

@@ -444,9 +444,10 @@ def _block_v(cfg: dict, V: int, key: str = "block_v") -> int:
 
 
 def chunk_fwd(q, k, v, beta, resets, h0, *, efla: bool, save: bool, cfg: dict):
-    """Returns ``(o, final state, saved)``; with ``save``, ``saved`` holds the backward's inputs: the chunk-entry
-    states ``hs [B·H, NT, K, V]``, ``ps [B·H, NT, BT, BT]`` and, for ``bwd="split"``, D ``dbuf [B·H, NT·BT, V]``
-    and the prep kernel's ``a2s [B·H, NT, BT, BT]`` and ``kps [B·H, NT, BT, K]``."""
+    """Returns ``(o, final state, saved)``; with ``save``, ``saved = (hs, ps, dbuf, a2s, kps)`` holds what the
+    backward reads, None elsewhere: the chunk-entry states ``hs [B·H, NT, K, V]``; for ``bwd="fused"`` P
+    ``ps [B·H, NT, BT, BT]``; for ``bwd="split"`` D ``dbuf [B·H, NT·BT, V]`` and the prep kernel's
+    ``a2s [B·H, NT, BT, BT]`` and ``kps [B·H, NT, BT, K]``."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     BT, BK, BV = cfg["chunk_size"], _pow2(K), _block_v(cfg, V)
@@ -474,7 +475,8 @@ def chunk_fwd(q, k, v, beta, resets, h0, *, efla: bool, save: bool, cfg: dict):
         q, k, v, beta, r, h0 if h0 is not None else ht, o, ht, hs, ps, a2s, ms, qes, dbuf if split else ht, T, NT,
         **common, V=V, BV=BV, HAS_H0=h0 is not None, SAVE_STATES=save, LOAD_P=prep, SAVE_P=save and not prep,
         SAVE_D=split, **launch)
-    return o, ht, (hs, ps, dbuf, a2s, kps)
+    # only what the backward reads stays alive until it runs
+    return o, ht, ((hs, None, dbuf, a2s, kps) if split else (hs, ps, None, None, None))
 
 
 def chunk_bwd(q, k, v, beta, resets, saved, do, dht, *, efla: bool, cfg: dict):

@@ -264,7 +264,7 @@ class MemoryPPOPolicy(BasePolicy):
     @torch.no_grad()
     def predict_values(self, obs: PyTorchObs, state: torch.Tensor, episode_starts: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Values ``[n]`` of ``obs`` for states that follow ``state``; ``state`` itself is left unchanged."""
-        _, values = self._heads(self.memory.step(self.features(obs), state.clone(), episode_starts))
+        _, values = self._head_outputs(self.memory.step(self.features(obs), state.clone(), episode_starts))
         return values
 
     # --- training: whole sequences, one memory call ----------------------------------------------------
