@@ -13,6 +13,7 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any triton kernel module is imported
 
+import copy  # noqa: E402
 import importlib  # noqa: E402
 import pathlib  # noqa: E402
 import subprocess  # noqa: E402
@@ -22,6 +23,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from rlseq.kernels.naive import naive_step  # noqa: E402
 from rlseq.policies import (  # noqa: E402
     MEMORIES,
     DeltaNetMemory,
@@ -32,6 +34,8 @@ from rlseq.policies import (  # noqa: E402
     NoMemory,
     make_memory,
 )
+from rlseq.policies.memory import GRUMemory  # noqa: E402
+from rlseq.policies.short_conv import ShortConv  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -39,9 +43,10 @@ F_IN = 12
 
 SMALL = {
     "efla": dict(n_heads=2, head_dim=16, d_model=24),
-    "deltanet": dict(n_heads=2, head_dim=16, value_dim=8),
-    "lstm": dict(hidden_size=20, num_layers=2),
-    "none": {},
+    "deltanet": dict(n_heads=2, head_dim=16, value_dim=8, d_model=20),
+    "gru": dict(hidden_size=12, num_layers=2, d_model=16),
+    "lstm": dict(hidden_size=20, num_layers=2, d_model=16),
+    "none": dict(d_model=16),
 }
 
 
@@ -111,7 +116,9 @@ def test_interface_shapes(name):
     B, T = 3, 7
     s = m.initial_state(B, "cpu")
     assert s.dtype == torch.float32 and s.shape[0] == B and not s.any()
-    expected = {"efla": (2, 16, 16), "deltanet": (2, 16, 8), "lstm": (2, 2, 20), "none": (0,)}[name]
+    conv_window = lambda H, K, V: 3 * H * (2 * K + V)  # noqa: E731  (W - 1) * C at the default width 4
+    expected = {"efla": (2 * 16 * 16 + conv_window(2, 16, 16),), "deltanet": (2 * 16 * 8 + conv_window(2, 16, 8),),
+                "gru": (1, 2, 12), "lstm": (2, 2, 20), "none": (0,)}[name]
     assert tuple(s.shape[1:]) == expected
     x, r = _sequence(B, T)
     y, final = m(x, s, r)
@@ -121,20 +128,36 @@ def test_interface_shapes(name):
     assert isinstance(m, Memory)
 
 
-def test_out_features():
-    assert make_memory("efla", 10).out_features == 10
-    assert make_memory("efla", 10, d_model=32).out_features == 32
-    assert make_memory("deltanet", 10).out_features == 10
-    assert make_memory("lstm", 10, hidden_size=7).out_features == 7
-    assert make_memory("none", 10).out_features == 10
+def test_width_does_not_depend_on_the_input():
+    for name in MEMORIES:
+        assert make_memory(name, 2).out_features == make_memory(name, 300).out_features == 128
+        assert make_memory(name, 10, d_model=32).out_features == 32
     assert isinstance(make_memory("EFLA", 4), EFLAMemory) and isinstance(make_memory("deltanet", 4), DeltaNetMemory)
     assert isinstance(make_memory("lstm", 4), LSTMMemory) and isinstance(make_memory("none", 4), NoMemory)
+    assert isinstance(make_memory("gru", 4), GRUMemory)
+    assert make_memory("efla", 4).head_dim == 32 and make_memory("efla", 4, d_model=256).head_dim == 64
 
 
-def test_make_memory_unknown_name():
-    with pytest.raises(ValueError, match="efla, deltanet, lstm, none"):
-        make_memory("gru", 4)
-    assert MEMORIES == ("efla", "deltanet", "lstm", "none")
+def _core_parameters(m: Memory) -> int:
+    return sum(p.numel() for n, p in m.named_parameters() if not n.startswith(("in_proj.", "norm.")))
+
+
+@pytest.mark.parametrize("d_model", [64, 128, 256])
+def test_parameter_counts_are_matched(d_model):
+    """The block around the memory is identical; the memories' own parameters are within 25% of each other."""
+    counts = {name: _core_parameters(make_memory(name, 17, d_model=d_model)) for name in MEMORIES if name != "none"}
+    assert max(counts.values()) <= 1.25 * min(counts.values()), counts
+    shared = {name: sum(p.numel() for n, p in make_memory(name, 17, d_model=d_model).named_parameters()
+                        if n.startswith(("in_proj.", "norm."))) for name in MEMORIES}
+    assert len(set(shared.values())) == 1, shared
+    assert _core_parameters(make_memory("none", 17, d_model=d_model)) == 0
+
+
+def test_make_memory_errors():
+    with pytest.raises(ValueError, match="efla, deltanet, gru, lstm, none"):
+        make_memory("transformer", 4)
+    with pytest.raises(TypeError, match="GRUMemory"):
+        make_memory("gru", 4, n_heads=2)
 
 
 @pytest.mark.parametrize("name", MEMORIES)
@@ -166,7 +189,7 @@ def test_step_matches_forward(name, backend):
         assert _triton_ready(), "the Triton kernels must run here under TRITON_INTERPRET=1 (tests/conftest.py sets it)"
     m = _memory(name, backend)
     B, T = 3, 70 if backend == "torch" else 37  # crosses the chunk boundaries (torch 64, triton ≤ 64)
-    x, r = _sequence(B, T, scale=3.0)  # larger inputs: EFLA gates near saturation, DeltaNet keys unit anyway
+    x, r = _sequence(B, T, scale=3.0)
     s0 = _random_state(m, B)
     y_train, final_train = m(x, s0, r)
     y_act, final_act = _act(m, x, s0, r)
@@ -174,65 +197,172 @@ def test_step_matches_forward(name, backend):
     torch.testing.assert_close(final_act, final_train.detach(), atol=TOL, rtol=TOL)
 
 
-@pytest.mark.parametrize("name", ["efla", "deltanet"])
-def test_forward_matches_reference_kernel(name):
-    """The training path on the torch backend agrees with the float64 step-loop oracle's backend."""
-    m = _memory(name)
-    x, r = _sequence(2, 33)
-    s0 = _random_state(m, 2)
-    y, f = m(x, s0, r)
-    m.backend = "reference"
-    y_ref, f_ref = m(x, s0, r)
-    torch.testing.assert_close(y, y_ref, atol=TOL, rtol=TOL)
-    torch.testing.assert_close(f, f_ref, atol=TOL, rtol=TOL)
+# -- the short convolution against a float64 loop -------------------------------------------------------------
 
 
-def test_deltanet_negative_eigenvalues():
-    m = _memory("deltanet", allow_negative_eigenvalues=True)
-    x, r = _sequence(2, 10, scale=4.0)
-    d = m.diagnostics(x, m.initial_state(2, "cpu"), r)
-    assert d["gate_mean"] > 0 and float(d["key_norm_max"]) > 0
-    # β ∈ (0, 2): with big inputs some gates exceed 1
-    beta = m._project(x)[-1]
-    assert beta.max() > 1 and beta.max() < 2
-    y_act, _ = _act(m, x, m.initial_state(2, "cpu"), r)
-    y, _ = m(x, m.initial_state(2, "cpu"), r)
-    torch.testing.assert_close(y_act, y.detach(), atol=TOL, rtol=TOL)
+def _conv_loop(conv: ShortConv, x: torch.Tensor, window: torch.Tensor, resets: torch.Tensor):
+    """float64 oracle: keep a list of the last W-1 inputs, empty it at every episode start, and evaluate the
+    definition ``silu(b + Σ_j w[:, j] x[t - (W-1) + j])`` one step at a time."""
+    W = conv.kernel_size
+    w, b = conv.weight.double(), conv.bias.double()
+    B, T, C = x.shape
+    ys, windows = [], []
+    for i in range(B):
+        past = [window[i, j].double() for j in range(W - 1)]
+        out = []
+        for t in range(T):
+            if resets[i, t]:
+                past = [torch.zeros(C, dtype=torch.float64) for _ in range(W - 1)]
+            taps = past + [x[i, t].double()]
+            out.append(torch.nn.functional.silu(b + sum(w[:, j] * taps[j] for j in range(W))))
+            past = taps[1:]
+        ys.append(torch.stack(out))
+        windows.append(torch.stack(past) if W > 1 else torch.zeros(0, C, dtype=torch.float64))
+    return torch.stack(ys), torch.stack(windows)
 
 
-# -- LSTM: exact resets in one call --------------------------------------------------------------------------
+@pytest.mark.parametrize("width", [1, 2, 4, 5])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_short_conv_matches_loop_with_resets(width, seed):
+    """Chunk form and step form of the convolution against the float64 loop: outputs, final windows and the
+    gradients of a loss of both with respect to the inputs, the entering window, the weights and the bias."""
+    torch.manual_seed(seed)
+    conv = ShortConv(6, width)
+    B, T = 4, 19
+    x, _ = _sequence(B, T, seed=seed + 5)
+    x = x[..., :6].clone().requires_grad_(True)
+    resets = torch.rand(B, T, generator=torch.Generator().manual_seed(seed)) < 0.25
+    resets[0, 0] = resets[1, 3] = resets[1, 4] = True  # t = 0 and back to back
+    resets[2] = False
+    window = torch.randn(B, width - 1, 6).requires_grad_(True)
+    y, new_window = conv(x, window, resets)
+    y_ref, window_ref = _conv_loop(conv, x, window, resets)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(new_window.double(), window_ref, atol=1e-6, rtol=1e-6)
+    probe = torch.randn_like(y_ref)
+    params = [x, window, conv.weight, conv.bias]
+    grads = torch.autograd.grad((y * probe).sum() + new_window.square().sum(), params, allow_unused=True)
+    grads_ref = torch.autograd.grad((y_ref * probe).sum() + window_ref.square().sum(), params, allow_unused=True)
+    for p, g, g_ref in zip(params, grads, grads_ref):
+        if p is window and width == 1:  # an empty window
+            continue
+        torch.testing.assert_close(g.double(), g_ref.double(), atol=1e-5, rtol=1e-5)
+    # acting: one step at a time, the window updated in place
+    w = window.detach().clone()
+    with torch.no_grad():
+        y_step = torch.stack([conv.step(x[:, t].detach(), w, resets[:, t]) for t in range(T)], 1)
+    torch.testing.assert_close(y_step.double(), y_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(w.double(), window_ref, atol=1e-6, rtol=1e-6)
 
 
-def _lstm_loop(lstm: nn.LSTM, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor):
-    """sb3-contrib's semantics: a per-step loop that zeroes (h, c) where an episode starts."""
-    h, c = state[:, 0].transpose(0, 1), state[:, 1].transpose(0, 1)
+# -- the delta-rule block against a float64 loop ------------------------------------------------------------
+
+
+def _delta_block_loop(m64, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 oracle of the whole block (``m64``: a float64 copy of the module): the convolution from its
+    definition, the rule from rlseq.kernels' step-by-step reference, and an explicit zeroing of matrix and
+    window at every episode start."""
+    B, T, _ = x.shape
+    matrix, window = (p.double().clone() for p in m64.state_parts(state.double()))
+    h = m64.in_proj(x.double())
+    qkv = m64.qkv(h)
+    conv_out, _ = _conv_loop(m64.conv, qkv, window, resets)
+    q, k, v, beta = m64._heads(conv_out, h)
+    outs = []
+    for t in range(T):
+        matrix = matrix * (~resets[:, t]).double().view(B, 1, 1, 1)
+        o, matrix = naive_step(q[:, t], k[:, t], v[:, t], beta[:, t], matrix, m64.rule)
+        outs.append(o)
+    o = torch.stack(outs, 1)
+    y = m64.norm(h + m64.out_proj(o.flatten(-2)))
+    _, final_window = _conv_loop(m64.conv, qkv, window, resets)
+    return y, torch.cat([matrix.flatten(1), final_window.flatten(1)], 1)
+
+
+DELTA_SHAPES = [  # (rule, n_heads, head_dim, value_dim, conv_size, T)
+    ("efla", 2, 8, 12, 4, 37),
+    ("deltanet", 2, 8, 12, 4, 37),
+    ("efla", 1, 16, 4, 3, 21),
+    ("deltanet", 3, 4, 8, 1, 18),
+]
+
+
+@pytest.mark.parametrize(("rule", "H", "K", "V", "W", "T"), DELTA_SHAPES)
+@pytest.mark.parametrize("key_scale", [1e-4, 1.0, 1e4])
+def test_delta_block_matches_float64_loop(rule, H, K, V, W, T, key_scale):
+    """The training path (chunked torch kernel, chunk 16 so T crosses chunks) against the float64 loop, with
+    resets at random positions (t = 0 and back to back included), K != V, key norms from 1e-4 to 1e4 (the key
+    projection scaled), outputs, final state and gradients."""
+    torch.manual_seed(3)
+    m = make_memory(rule, F_IN, d_model=16, n_heads=H, head_dim=K, value_dim=V, conv_size=W, backend="torch",
+                    chunk_size=16)
+    with torch.no_grad():  # scale the key rows of the q/k/v projection: key norms follow
+        m.qkv.weight[H * K : 2 * H * K] *= key_scale
+        m.qkv.bias[H * K : 2 * H * K] *= key_scale
+    B = 3
+    x, resets = _sequence(B, T, seed=7)
+    state = _random_state(m, B)
+    y, final = m(x, state, resets)
+    m64 = copy.deepcopy(m).double()
+    y_ref, final_ref = _delta_block_loop(m64, x, state, resets)
+    tol = dict(atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(y.double(), y_ref, **tol)
+    matrix, window = m.state_parts(final)
+    matrix_ref, window_ref = m64.state_parts(final_ref)
+    torch.testing.assert_close(matrix.double(), matrix_ref, **tol)
+    # the window holds raw projections: fp32 rounds a dot product with weights × key_scale to key_scale × 1e-7
+    torch.testing.assert_close(window.double(), window_ref, atol=2e-4 * max(1.0, key_scale), rtol=2e-4)
+    probe = torch.randn_like(y_ref)
+    params = [p for p in m.parameters()]
+    grads = torch.autograd.grad((y * probe).sum(), params)
+    grads_ref = torch.autograd.grad((y_ref * probe).sum(), list(m64.parameters()), allow_unused=True)
+    for (n, _), g, g_ref in zip(m.named_parameters(), grads, grads_ref):
+        g_ref = torch.zeros_like(g, dtype=torch.float64) if g_ref is None else g_ref.double()
+        scale = g_ref.abs().max().clamp_min(1e-3)
+        assert float((g.double() - g_ref).abs().max() / scale) < 1e-3, n
+
+
+def _rnn_loop(m, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor):
+    """sb3-contrib's semantics in the block: a per-step loop over the RNN that zeroes its state where an episode
+    starts (the block's input projection and output are those of the module)."""
+    h_in = m.in_proj(x)
+    s = state.clone()
     ys = []
     for t in range(x.shape[1]):
-        keep = (~resets[:, t]).float().view(1, -1, 1)
-        y, (h, c) = lstm(x[:, t : t + 1], (h * keep, c * keep))
+        s = s * (~resets[:, t]).float().view(-1, 1, 1, 1)
+        y, final = m.rnn(h_in[:, t : t + 1], m._unpack(s))
+        s = m._pack(final)
         ys.append(y)
-    return torch.cat(ys, 1), torch.stack([h, c], 0).permute(2, 0, 1, 3)
+    return m.norm(h_in + m.out_proj(torch.cat(ys, 1))), s
 
 
+@pytest.mark.parametrize("name", ["gru", "lstm"])
 @pytest.mark.parametrize("with_resets", [True, False])
-def test_lstm_exact_resets(with_resets):
-    m = _memory("lstm")
+def test_rnn_exact_resets(name, with_resets):
+    """One packed call over episode segments equals the per-step loop: outputs, final state and gradients."""
+    m = _memory(name)
     x, r = _sequence(4, 23)
     if not with_resets:
         r = torch.zeros_like(r)
-    s0 = _random_state(m, 4)
+    s0 = _random_state(m, 4).requires_grad_(True)
     y, f = m(x, s0, r)
-    y_ref, f_ref = _lstm_loop(m.lstm, x, s0, r)
+    y_ref, f_ref = _rnn_loop(m, x, s0, r)
     torch.testing.assert_close(y, y_ref, atol=TOL, rtol=TOL)
     torch.testing.assert_close(f, f_ref, atol=TOL, rtol=TOL)
+    params = [s0, *m.parameters()]
+    grads = torch.autograd.grad(y.square().sum() + f.square().sum(), params)
+    grads_ref = torch.autograd.grad(y_ref.square().sum() + f_ref.square().sum(), params)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, atol=1e-4, rtol=1e-4)
 
 
-def test_lstm_one_call_per_forward(monkeypatch):
-    """Resets or not, ``forward`` makes exactly one nn.LSTM call (never a loop over time steps)."""
-    m = _memory("lstm")
+@pytest.mark.parametrize("name", ["gru", "lstm"])
+def test_rnn_one_call_per_forward(monkeypatch, name):
+    """Resets or not, ``forward`` makes exactly one RNN call (never a loop over time steps)."""
+    m = _memory(name)
     calls = []
-    orig = m.lstm.forward
-    monkeypatch.setattr(m.lstm, "forward", lambda *a, **k: calls.append(1) or orig(*a, **k))
+    orig = m.rnn.forward
+    monkeypatch.setattr(m.rnn, "forward", lambda *a, **k: calls.append(1) or orig(*a, **k))
     x, r = _sequence(5, 40)
     m(x, m.initial_state(5, "cpu"), r)
     m(x, m.initial_state(5, "cpu"), torch.zeros_like(r))
@@ -252,6 +382,47 @@ def test_delta_memories_one_kernel_call(monkeypatch):
     assert len(calls) == 2
 
 
+def test_deltanet_negative_eigenvalues():
+    m = _memory("deltanet", allow_negative_eigenvalues=True)
+    x, r = _sequence(2, 10, scale=4.0)
+    d = m.diagnostics(x, m.initial_state(2, "cpu"), r)
+    torch.testing.assert_close(d["gate_mean"], torch.tensor(0.5), atol=0.15, rtol=0)  # starts at β = 0.5 too
+    with torch.no_grad():
+        m.beta_proj.bias.fill_(5.0)
+    beta = m._heads(m.qkv(m.in_proj(x)), m.in_proj(x))[-1]
+    assert beta.max() > 1 and beta.max() < 2
+    y_act, _ = _act(m, x, m.initial_state(2, "cpu"), r)
+    y, _ = m(x, m.initial_state(2, "cpu"), r)
+    torch.testing.assert_close(y_act, y.detach(), atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("input_scale", [1e-3, 1.0, 1e3])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_efla_and_deltanet_start_with_matched_gates(input_scale, seed):
+    """At initialisation both memories' mean gates are near 0.5 on inputs of any scale and on one-hot inputs
+    (the block normalises what the memory sees)."""
+    g = torch.Generator().manual_seed(seed)
+    onehot = torch.nn.functional.one_hot(torch.randint(0, F_IN, (8, 40), generator=g), F_IN).float()
+    for x in (input_scale * torch.randn(8, 40, F_IN, generator=g), onehot):
+        gates = {}
+        for name in ("efla", "deltanet"):
+            torch.manual_seed(seed)
+            m = make_memory(name, F_IN)
+            gates[name] = float(m.diagnostics(x, m.initial_state(8), torch.zeros(8, 40, dtype=torch.bool))["gate_mean"])
+        assert abs(gates["efla"] - 0.5) < 0.1 and abs(gates["deltanet"] - 0.5) < 0.1, gates
+
+
+def test_none_is_the_block_without_the_read():
+    """The control is the same block with the memory read removed: same input projection and output norm."""
+    torch.manual_seed(0)
+    efla = make_memory("efla", F_IN)
+    none = make_memory("none", F_IN)
+    none.load_state_dict({k: v for k, v in efla.state_dict().items() if k.startswith(("in_proj.", "norm."))})
+    x, r = _sequence(2, 5)
+    y, _ = none(x, none.initial_state(2), r)
+    torch.testing.assert_close(y, efla.norm(efla.in_proj(x)))
+
+
 # -- diagnostics and finiteness -------------------------------------------------------------------------------
 
 
@@ -263,6 +434,7 @@ def test_diagnostics(name):
     expected = {
         "efla": {"key_norm_mean", "key_norm_max", "gate_mean", "gate_saturated_frac", "state_norm_mean", "state_norm_max"},
         "lstm": {"state_norm_mean", "state_norm_max"},
+        "gru": {"state_norm_mean", "state_norm_max"},
         "none": set(),
     }
     expected["deltanet"] = expected["efla"]
@@ -272,14 +444,16 @@ def test_diagnostics(name):
     if name == "efla":
         assert 0 <= d["gate_saturated_frac"] <= 1 and 0 < d["gate_mean"] < 1
         assert d["key_norm_max"] >= d["key_norm_mean"] > 0
-        # the gate is 1 - exp(-β‖k‖²) of the raw keys: recompute it
-        _, _, k, _, beta = m._project(x)
+        # the gate is 1 - exp(-β‖k‖²) of the raw (convolved) keys: recompute it
+        _, window = m.state_parts(_random_state(m, 3))
+        _, k, _, beta, _ = m._sequence_inputs(m.in_proj(x), window, r)
         torch.testing.assert_close(d["gate_mean"], (1 - torch.exp(-beta * (k * k).sum(-1))).mean())
     if name == "deltanet":  # unit keys: the eigenvalue gate is β
-        torch.testing.assert_close(d["gate_mean"], m._project(x)[-1].mean())
+        _, window = m.state_parts(_random_state(m, 3))
+        torch.testing.assert_close(d["gate_mean"], m._sequence_inputs(m.in_proj(x), window, r)[3].mean())
 
 
-@pytest.mark.parametrize("name", ["efla", "deltanet", "lstm"])
+@pytest.mark.parametrize("name", ["efla", "deltanet", "gru", "lstm"])
 def test_check_finite(name):
     m = _memory(name)
     s = _random_state(m, 4)
@@ -292,6 +466,9 @@ def test_check_finite(name):
     assert isinstance(err.value, FloatingPointError)
     if name in ("efla", "deltanet"):
         assert "(2, 0)" in str(err.value)  # (batch, head)
+        s[:, -1] = float("nan")  # the convolution window's last entry
+        with pytest.raises(MemoryStateError, match=r"convolution window of batch \[0, 1, 2, 3\]"):
+            m.check_finite(s, "window")
     make_memory("none", 3).check_finite(torch.zeros(2, 0), "empty")
 
 

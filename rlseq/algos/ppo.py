@@ -385,7 +385,8 @@ class MemoryPPO(PPO):
         else:
             _, vf_low, vf_high = clip_bounds(clip_range_vf, 0.0)
             values_pred = old_values + torch.clamp(values - old_values, vf_low, vf_high)
-        value_loss = F.mse_loss(returns, values_pred)
+        # divided by σ² of the value normaliser: the normalised head's loss, O(1) at any return scale
+        value_loss = F.mse_loss(returns, values_pred) / self.policy.value_scale()
         entropy_loss = -torch.mean(-log_prob) if entropy is None else -torch.mean(entropy)
         with torch.no_grad():
             log_ratio = log_prob - old_log_prob
@@ -426,6 +427,14 @@ class MemoryPPO(PPO):
         """:meth:`train` with the minibatch updates run by ``step`` (None: the eager loop)."""
         t0 = time.perf_counter()
         self.policy.set_training_mode(True)
+        if self.policy.value_normalizer is not None:
+            # before the updates: the buffer's values keep their meaning (outputs are preserved), the targets get
+            # this rollout's scale
+            self.policy.value_normalizer.update(self.rollout_buffer.returns)
+        if self._n_updates == 0:  # the memory as initialised, at step 0 (e.g. EFLA's and DeltaNet's starting gates)
+            with self.phases("diagnostics"):
+                self._record_memory_diagnostics()
+            self.logger.dump(step=0)
         self._update_learning_rate(self.policy.optimizer)
         clip_range = self.clip_range(self._current_progress_remaining)
         clip_range_vf = self.clip_range_vf(self._current_progress_remaining) if self.clip_range_vf is not None else None
@@ -452,6 +461,9 @@ class MemoryPPO(PPO):
         returns = self.rollout_buffer.returns
         record("train/value_target_abs_mean", returns.abs().mean().item())
         record("train/value_target_abs_max", returns.abs().max().item())
+        if self.policy.value_normalizer is not None:
+            record("train/value_norm_mean", self.policy.value_normalizer.mean.item())
+            record("train/value_norm_std", self.policy.value_normalizer.std.item())
         with self.phases("diagnostics"):
             self._record_memory_diagnostics()
         steps = self.n_envs * self.n_steps

@@ -413,6 +413,8 @@ def step_torch(
     if resets is not None:
         state.masked_fill_(resets.view(-1, 1, 1, 1), 0.0)
     kh, g, w = unit_key_form(k.to(dt), v.to(dt), beta.to(dt), rule)
-    err = w - g.unsqueeze(-1) * torch.einsum("bhkv,bhk->bhv", state, kh)
+    # products as broadcast sums: the state may be a strided view (a memory's state holds more than the matrix),
+    # which einsum/bmm would first copy, and at acting sizes that copy costs more than the product
+    err = w - g.unsqueeze(-1) * (state * kh.unsqueeze(-1)).sum(-2)
     state.add_(kh.unsqueeze(-1) * err.unsqueeze(-2))
-    return torch.einsum("bhkv,bhk->bhv", state, q.to(dt)).to(q.dtype)
+    return (state * q.to(dt).unsqueeze(-1)).sum(-2).to(q.dtype)

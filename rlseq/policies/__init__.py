@@ -1,4 +1,4 @@
-"""Memory layers (EFLA, DeltaNet, LSTM, none), feature extractors and drop-in sb3-contrib policies.
+"""Memory layers (EFLA, DeltaNet, GRU, LSTM, none), feature extractors and drop-in sb3-contrib policies.
 
 * :mod:`rlseq.policies.memory`: :class:`Memory` and its implementations, :func:`make_memory`, :data:`MEMORIES`.
 * :mod:`rlseq.policies.extractors`: :class:`ImpalaCNN` and :class:`ImpalaCombinedExtractor` (SB3 extractors).
@@ -19,6 +19,7 @@ from rlseq.policies.memory import (
     MEMORIES,
     DeltaNetMemory,
     EFLAMemory,
+    GRUMemory,
     LSTMMemory,
     Memory,
     MemoryStateError,
@@ -42,7 +43,7 @@ _LAZY = {
 }
 
 __all__ = sorted(
-    ["MEMORIES", "DeltaNetMemory", "EFLAMemory", "LSTMMemory", "Memory", "MemoryStateError", "NoMemory", "make_memory", *_LAZY]
+    ["MEMORIES", "DeltaNetMemory", "EFLAMemory", "GRUMemory", "LSTMMemory", "Memory", "MemoryStateError", "NoMemory", "make_memory", *_LAZY]
 )
 
 if TYPE_CHECKING:  # pragma: no cover

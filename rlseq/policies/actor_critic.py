@@ -75,6 +75,52 @@ def parse_amp_dtype(amp_dtype: torch.dtype | str | None) -> torch.dtype | None:
     raise ValueError(f"amp_dtype {amp_dtype} is not supported: use torch.bfloat16 (fp16 would need a gradient scaler)")
 
 
+class ValueNormalizer(nn.Module):
+    """PopArt value normalisation of a linear value head (van Hasselt et al. 2016, "Learning values across many
+    orders of magnitude"; Hessel et al. 2019).
+
+    The head predicts a normalised value ``n``; the value is ``μ + σ n``. :meth:`update` moves ``μ`` and ``σ``
+    towards the statistics of new returns (exponential moving averages of the first and second moments, debiased,
+    ``decay`` per call) and rescales the head's weight and bias so that every output ``μ + σ n`` stays exactly
+    what it was ("preserving outputs precisely"). The value loss divided by ``σ²`` is the normalised head's loss.
+
+    ``σ`` never drops below ``min_std = 1``: returns whose spread is below 1 are not amplified (their value loss
+    is already small, and amplifying a near-constant return would inflate the head's weights), so on such tasks
+    the critic trains as in plain PPO, up to the tracked mean. Large reward scales and large value offsets
+    (rewards ×1e3, values +1e4) are what it is for.
+
+    Buffers (saved with the model): ``mean``, ``std`` and the raw moments with their update count.
+    """
+
+    def __init__(self, head: nn.Linear, decay: float = 0.9, min_std: float = 1.0) -> None:
+        super().__init__()
+        self.head = [head]  # a list: not a submodule (the policy owns the head and its parameters)
+        self.decay, self.min_std = float(decay), float(min_std)
+        self.register_buffer("mean", torch.zeros(()))
+        self.register_buffer("std", torch.ones(()))
+        self.register_buffer("moments", torch.zeros(2, dtype=torch.float64))  # E[R], E[R²], not yet debiased
+        self.register_buffer("count", torch.zeros((), dtype=torch.float64))
+
+    def denormalize(self, normalized: torch.Tensor) -> torch.Tensor:
+        return normalized * self.std + self.mean
+
+    @torch.no_grad()
+    def update(self, returns: torch.Tensor) -> None:
+        """Fold the value targets ``returns`` (any shape) into the statistics and rescale the head in place (the
+        parameters keep their addresses, as a captured CUDA graph needs)."""
+        r = returns.detach().double().flatten()
+        self.moments.mul_(self.decay).add_((1 - self.decay) * torch.stack([r.mean(), r.square().mean()]))
+        self.count.add_(1)
+        m1, m2 = self.moments / (1 - self.decay ** self.count)
+        new_mean = m1.float()
+        new_std = (m2 - m1 * m1).clamp_min(0).sqrt().clamp_min(self.min_std).float()
+        head = self.head[0]
+        head.weight.mul_(self.std / new_std)
+        head.bias.mul_(self.std).add_(self.mean - new_mean).div_(new_std)
+        self.mean.copy_(new_mean)
+        self.std.copy_(new_std)
+
+
 class MemoryPPOPolicy(BasePolicy):
     """Actor-critic with a sequence memory between the features extractor and the heads.
 
@@ -86,8 +132,10 @@ class MemoryPPOPolicy(BasePolicy):
     :param lr_schedule: learning-rate schedule (SB3 convention).
     :param memory: ``"efla"``, ``"deltanet"``, ``"lstm"`` or ``"none"``.
     :param memory_kwargs: passed to the memory class (e.g. ``n_heads``, ``head_dim``).
-    :param net_arch: hidden layer sizes of the MLP between the memory and both heads (shared); empty by
-        default, as in the Procgen paper where the heads read the 256 features directly.
+    :param net_arch: hidden layer sizes of the MLP between the memory and both heads (shared). None (default):
+        ``[64, 64]`` for vector observations (the memory block's output is a normalised embedding, and a
+        control task needs a nonlinear map of it), ``[]`` for images and ``Dict`` observations (as in the Procgen
+        paper, whose heads read the CNN features directly).
     :param features_extractor_class: default chosen from the observation space
         (:func:`default_features_extractor`).
     :param ortho_init: SB3's orthogonal initialisation of the heads (gain 0.01 policy, 1 value).
@@ -98,6 +146,10 @@ class MemoryPPOPolicy(BasePolicy):
     :param channels_last: keep the features extractor's convolution weights and the image batches in the
         channels-last (NHWC) memory layout, which cuDNN's tensor-core kernels prefer (mostly useful with
         ``amp_dtype``). Same network; convolution algorithms, and so rounding, may differ.
+    :param value_norm: normalise the value head's targets by running statistics of the returns, preserving its
+        outputs (PopArt, van Hasselt et al. 2016; Hessel et al. 2019): see :class:`ValueNormalizer`. On by
+        default: it keeps the value loss (and so its share of the clipped gradient) O(1) whatever the reward and
+        value scales, which an unnormalised critic under a 0.5 gradient clip does not survive.
     :param optimizer_kwargs: SB3's; ``None`` means ``{"eps": 1e-5}`` for Adam. Fused Adam is
         ``optimizer_kwargs=dict(eps=1e-5, fused=True)`` (give ``eps`` too: explicit kwargs replace the default).
 
@@ -123,6 +175,7 @@ class MemoryPPOPolicy(BasePolicy):
         optimizer_kwargs: dict[str, Any] | None = None,
         amp_dtype: torch.dtype | str | None = None,
         channels_last: bool = False,
+        value_norm: bool = True,
     ):
         if use_sde:
             raise ValueError("gSDE is not supported by MemoryPPOPolicy")
@@ -139,7 +192,8 @@ class MemoryPPOPolicy(BasePolicy):
         )
         self.memory_name = memory
         self.memory_kwargs = dict(memory_kwargs or {})
-        self.net_arch = list(net_arch or [])
+        self.net_arch = list(net_arch) if net_arch is not None else \
+            ([64, 64] if self.features_extractor_class is FlattenExtractor else [])
         self.activation_fn = activation_fn
         self.ortho_init = ortho_init
         self.amp_dtype = parse_amp_dtype(amp_dtype)
@@ -158,6 +212,8 @@ class MemoryPPOPolicy(BasePolicy):
         if ortho_init:
             for module, gain in ((self.trunk, np.sqrt(2)), (self.action_net, 0.01), (self.value_net, 1.0)):
                 module.apply(partial(self.init_weights, gain=gain))
+        self.value_norm = bool(value_norm)
+        self.value_normalizer = ValueNormalizer(self.value_net) if self.value_norm else None
         self.optimizer = self.optimizer_class(self.parameters(), lr=lr_schedule(1), **self.optimizer_kwargs)
 
     def _get_constructor_parameters(self) -> dict[str, Any]:
@@ -175,6 +231,7 @@ class MemoryPPOPolicy(BasePolicy):
             optimizer_kwargs=self.optimizer_kwargs,
             amp_dtype=self.amp_dtype,
             channels_last=self.channels_last,
+            value_norm=self.value_norm,
             lr_schedule=self._dummy_schedule,
         )
         return data
@@ -206,7 +263,15 @@ class MemoryPPOPolicy(BasePolicy):
     def _head_outputs(self, memory_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``memory_out [N, F]`` → the action distribution's parameters and the values ``[N]``."""
         latent = self.trunk(memory_out)
-        return self.action_net(latent), self.value_net(latent).squeeze(-1)
+        values = self.value_net(latent).squeeze(-1)
+        if self.value_normalizer is not None:
+            values = self.value_normalizer.denormalize(values)
+        return self.action_net(latent), values
+
+    def value_scale(self) -> torch.Tensor | float:
+        """The scale by which the value loss is divided (σ² of :class:`ValueNormalizer`, 1 without it): the loss
+        of the normalised head, whose gradient is O(1) whatever the return scale."""
+        return 1.0 if self.value_normalizer is None else self.value_normalizer.std.square()
 
     def _heads(self, memory_out: torch.Tensor) -> tuple[Distribution, torch.Tensor]:
         mean_actions, values = self._head_outputs(memory_out)

@@ -1,30 +1,38 @@
-"""Memory layers for recurrent RL: EFLA, DeltaNet, LSTM and a no-memory control, behind one interface.
+"""Memory layers for recurrent RL: EFLA, DeltaNet, GRU, LSTM and a no-memory control, all in ONE block.
 
-Every memory maps a feature sequence to an output sequence while carrying ONE float32 state tensor whose
-batch is on dim 0, so algorithms can index, clone and store states uniformly (``state[env_idx]``) and never
-care which memory they hold:
+Every memory is the same block around a different core, so that a comparison isolates the memory::
 
-===============  ==========================  ============================================================
-memory           state shape                 what it is
-===============  ==========================  ============================================================
-``"efla"``       ``[B, H, K, V]``            multi-head EFLA mixer (raw keys: the key norm is the gate)
-``"deltanet"``   ``[B, H, K, V]``            the same block with L2-normalised keys (standard DeltaNet)
-``"lstm"``       ``[B, 2, L, hidden]``       ``nn.LSTM``; h at ``[:, 0]``, c at ``[:, 1]``
-``"none"``       ``[B, 0]``                  identity (the memoryless control, same network otherwise)
-===============  ==========================  ============================================================
+    h = LayerNorm(W_in x)                  input projection to d_model (default 128), whatever the observation
+    m = core(h, state, resets)             the memory read (absent for "none")
+    y = LayerNorm(h + m)                   residual + LayerNorm; y is [.., d_model]
 
-The interface (:class:`Memory`):
+===============  ==========================================  ================================================
+memory           state per sequence                          core
+===============  ==========================================  ================================================
+``"efla"``       ``[H·K·V + (W-1)·C]`` (matrix + conv window)  short conv on q, k, v → EFLA (raw keys) → W_o
+``"deltanet"``   same                                        short conv on q, k, v → DeltaNet (unit keys) → W_o
+``"gru"``        ``[1, L, hidden]``                          ``nn.GRU`` → W_o
+``"lstm"``       ``[2, L, hidden]`` (h at 0, c at 1)          ``nn.LSTM`` → W_o
+``"none"``       ``[0]``                                     nothing: ``y = LayerNorm(h)``
+===============  ==========================================  ================================================
 
-- ``initial_state(batch_size, device) -> state`` (zeros);
-- ``forward(x [B, T, F], state, resets [B, T]) -> (y [B, T, out_features], final_state)`` for training; does
-  not modify ``state``; differentiable with respect to the parameters, ``x`` and ``state``;
-- ``step(x [B, F], state, resets [B]) -> y [B, out_features]`` for acting; updates ``state`` in place;
+Defaults give matched parameter counts at any ``d_model`` (cores of ~4.1 d² for EFLA/DeltaNet and ~4.7 d² for
+the GRU and the LSTM, within 25%; ``docs/memory.md`` lists them).
+
+The interface (:class:`Memory`), the same for all:
+
+- ``initial_state(batch_size, device) -> state`` (zeros): ONE float32 tensor with the batch on dim 0, so
+  algorithms index, clone and store states uniformly (``state[env_idx]``);
+- ``forward(x [B, T, F], state, resets [B, T]) -> (y [B, T, d_model], final_state)`` for training; does not
+  modify ``state``; differentiable with respect to the parameters, ``x`` and ``state``;
+- ``step(x [B, F], state, resets [B]) -> y [B, d_model]`` for acting; updates ``state`` in place;
 - ``diagnostics(x, state, resets) -> dict[str, 0-dim tensor]`` (no grad, no host sync);
 - ``check_finite(state, where)`` raises :class:`MemoryStateError` naming the bad batch entries.
 
-``resets[b, t] = True`` means an episode starts at step t of sequence b: the state before that step is zero
-(at ``t = 0`` the given ``state`` is ignored for that sequence). ``forward`` over a sequence and ``step``
-applied once per time step compute the same function (to float32 rounding); the tests check it.
+``resets[b, t] = True`` means an episode starts at step t of sequence b: the whole state before that step (the
+matrix AND the convolution window) counts as zero (at ``t = 0`` the given ``state`` is ignored for that
+sequence). ``forward`` over a sequence and ``step`` applied once per time step compute the same function (to
+float32 rounding); the tests check it against float64 step-by-step loops.
 
 All delta-rule math goes through :func:`rlseq.kernels.chunk_rule` / :func:`rlseq.kernels.step_rule`; this
 module never re-implements the recurrence.
@@ -33,6 +41,7 @@ module never re-implements the recurrence.
 from __future__ import annotations
 
 import abc
+import math
 from typing import Any
 
 import torch
@@ -41,40 +50,61 @@ from torch import nn
 
 from rlseq.kernels import chunk_rule, step_rule
 from rlseq.kernels.rules import unit_key_scales
+from rlseq.policies.short_conv import ShortConv
 
-MEMORIES = ("efla", "deltanet", "lstm", "none")
+MEMORIES = ("efla", "deltanet", "gru", "lstm", "none")
+DEFAULT_D_MODEL = 128
 
 __all__ = [
+    "DEFAULT_D_MODEL",
     "MEMORIES",
     "DeltaNetMemory",
     "EFLAMemory",
+    "GRUMemory",
     "LSTMMemory",
     "Memory",
     "MemoryStateError",
     "NoMemory",
     "make_memory",
+    "memory_class",
 ]
 
 
 class MemoryStateError(FloatingPointError):
     """A memory state holds NaN or inf. Raised by :meth:`Memory.check_finite`; the message names where it was
-    checked, the memory type, the bad batch indices (and heads / layers) and the max |value| of the finite part."""
+    checked, the memory type, the bad batch indices (and the part of the state) and the max |value| of the
+    finite part."""
 
 
 class Memory(nn.Module, metaclass=abc.ABCMeta):
-    """Base class of all memories (abstract: subclasses implement ``state_shape``, ``forward`` and ``step``). See the module docstring for the contract.
+    """The block every memory shares (see the module docstring); subclasses supply the core.
+
+    Args:
+        in_features: F, the feature size of ``x``.
+        d_model: the block width and ``out_features`` (default :data:`DEFAULT_D_MODEL`), independent of F.
+
+    Subclasses implement ``state_shape``, ``_core(h [B, T, d], state, resets) -> (m, final_state)`` and
+    ``_core_step(h [B, d], state, resets) -> m`` (``m`` None: no read, the memoryless control).
 
     Attributes:
-        name: registry name (``"efla"``, ``"deltanet"``, ``"lstm"``, ``"none"``).
-        in_features: F, the feature size of ``x``.
-        out_features: size of ``y``.
+        name: registry name.
         train_graph_obstacle: why the training pass cannot be captured in a CUDA graph (a host read), or None.
     """
 
     name: str = "abstract"
     train_graph_obstacle: str | None = None
-    in_features: int
-    out_features: int
+
+    def __init__(self, in_features: int, *, d_model: int | None = None) -> None:
+        super().__init__()
+        self.in_features = int(in_features)
+        self.d_model = int(d_model) if d_model is not None else DEFAULT_D_MODEL
+        if self.in_features < 1 or self.d_model < 1:
+            raise ValueError(f"in_features and d_model must be >= 1, got {self.in_features}, {self.d_model}")
+        self.out_features = self.d_model
+        # Normalising the projected input gives every core unit-scale inputs whatever the observation's scale and
+        # width, so defaults (and EFLA's starting gate) carry over from one task to the next.
+        self.in_proj = nn.Sequential(nn.Linear(self.in_features, self.d_model), nn.LayerNorm(self.d_model))
+        self.norm = nn.LayerNorm(self.d_model)
 
     def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Zero state for ``batch_size`` sequences: one float32 tensor with the batch on dim 0."""
@@ -86,13 +116,30 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
         """Per-sequence state shape (the state is ``[B, *state_shape]``)."""
 
     @abc.abstractmethod
-    def forward(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [B, T, F]``, ``state [B, ...]``, ``resets [B, T]`` bool → ``(y [B, T, out_features], final_state)``.
-        Must not modify ``state``; differentiable with respect to the parameters, ``x`` and ``state``."""
+    def _core(self, h: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None
+              ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``h [B, T, d]`` → ``(m [B, T, d] or None, final_state)``; must not modify ``state``."""
 
     @abc.abstractmethod
+    def _core_step(self, h: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None) -> torch.Tensor | None:
+        """``h [B, d]`` → ``m [B, d]`` or None; updates ``state`` in place."""
+
+    def _output(self, h: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        return self.norm(h if m is None else h + m.to(h.dtype))
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [B, T, F]``, ``state [B, ...]``, ``resets [B, T]`` bool → ``(y [B, T, d_model], final_state)``."""
+        B, T = x.shape[:2]
+        resets = _check_resets(resets, (B, T), x.device)
+        h = self.in_proj(x)
+        m, final = self._core(h, state, resets)
+        return self._output(h, m), final
+
     def step(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
-        """One acting step: ``x [B, F]``, ``resets [B]`` bool → ``y [B, out_features]``; ``state`` updated in place."""
+        """One acting step: ``x [B, F]``, ``resets [B]`` bool → ``y [B, d_model]``; ``state`` updated in place."""
+        resets = _check_resets(resets, (x.shape[0],), x.device)
+        h = self.in_proj(x)
+        return self._output(h, self._core_step(h, state, resets))
 
     @torch.no_grad()
     def diagnostics(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -108,18 +155,17 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
         batch_idx = per_batch.nonzero().flatten().tolist()
         finite = state[~bad]
         max_abs = finite.abs().max().item() if finite.numel() else float("nan")
-        detail = self._describe_bad(bad)
         raise MemoryStateError(
             f"non-finite {self.name} memory state at {where}: batch indices {_short(batch_idx)}"
-            f"{detail}; {int(bad.sum())} of {state.numel()} values non-finite; max |value| of the finite part "
-            f"{max_abs:.4g} (state shape {list(state.shape)})"
+            f"{self._describe_bad(bad)}; {int(bad.sum())} of {state.numel()} values non-finite; max |value| of the "
+            f"finite part {max_abs:.4g} (state shape {list(state.shape)})"
         )
 
     def _describe_bad(self, bad: torch.Tensor) -> str:  # memory-specific detail for check_finite
         return ""
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}"
+        return f"in_features={self.in_features}, d_model={self.d_model}"
 
 
 def _short(xs: list[Any], n: int = 16) -> str:
@@ -137,29 +183,25 @@ def _check_resets(resets: torch.Tensor | None, shape: tuple[int, ...], device: t
 
 
 class NoMemory(Memory):
-    """The identity: ``y = x`` and an empty state ``[B, 0]``. Runs the same network as the other memories without
-    any memory, which makes it the memoryless control."""
+    """The memoryless control: the same block with the memory read removed, ``y = LayerNorm(LayerNorm(W_in x))``,
+    and an empty state ``[B, 0]``."""
 
     name = "none"
-
-    def __init__(self, in_features: int) -> None:
-        super().__init__()
-        self.in_features = self.out_features = int(in_features)
 
     @property
     def state_shape(self) -> tuple[int, ...]:
         return (0,)
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return x, state
+    def _core(self, h, state, resets):
+        return None, state
 
-    def step(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
-        return x
+    def _core_step(self, h, state, resets):
+        return None
 
 
 class _DeltaRuleMemory(Memory):
-    """Shared block of :class:`EFLAMemory` and :class:`DeltaNetMemory` (they differ in the rule, the key
-    normalisation and the range of β). See :class:`EFLAMemory` for the architecture and its reasons."""
+    """Core of :class:`EFLAMemory` and :class:`DeltaNetMemory` (they differ in the rule, the key normalisation
+    and the starting β). See :class:`EFLAMemory` for the architecture and its reasons."""
 
     rule: str
 
@@ -167,41 +209,51 @@ class _DeltaRuleMemory(Memory):
         self,
         in_features: int,
         *,
-        n_heads: int = 4,
-        head_dim: int = 32,
-        value_dim: int | None = None,
         d_model: int | None = None,
+        n_heads: int = 4,
+        head_dim: int | None = None,
+        value_dim: int | None = None,
+        conv_size: int = 4,
         query_norm: bool = True,
-        beta_bias_init: float = 0.0,
-        layer_norm: bool = True,
+        beta_bias_init: float | None = None,
         backend: str | None = None,
         chunk_size: int | None = None,
     ) -> None:
-        super().__init__()
-        if n_heads < 1 or head_dim < 1:
-            raise ValueError(f"n_heads and head_dim must be >= 1, got {n_heads}, {head_dim}")
-        self.in_features = int(in_features)
-        self.d_model = int(d_model) if d_model is not None else self.in_features
-        self.out_features = self.d_model
-        self.n_heads, self.head_dim = int(n_heads), int(head_dim)
+        super().__init__(in_features, d_model=d_model)
+        if n_heads < 1:
+            raise ValueError(f"n_heads must be >= 1, got {n_heads}")
+        self.n_heads = int(n_heads)
+        self.head_dim = int(head_dim) if head_dim is not None else max(1, self.d_model // self.n_heads)
         self.value_dim = int(value_dim) if value_dim is not None else self.head_dim
+        if self.head_dim < 1 or self.value_dim < 1:
+            raise ValueError(f"head_dim and value_dim must be >= 1, got {self.head_dim}, {self.value_dim}")
         self.query_norm = bool(query_norm)
         self.backend = backend
         self.chunk_size = chunk_size
         H, K, V = self.n_heads, self.head_dim, self.value_dim
-        # Optional width change, so a memory over a 4-dim observation can still have a useful width.
-        self.in_proj = nn.Linear(self.in_features, self.d_model) if self.d_model != self.in_features else nn.Identity()
-        # q, k, v and β from one fused projection (one GEMM while acting).
-        self.qkvb = nn.Linear(self.d_model, H * (2 * K + V) + H)
-        self._split = (H * K, H * K, H * V, H)
-        with torch.no_grad():
-            self.qkvb.bias[-H:].fill_(beta_bias_init)
+        self._split = (H * K, H * K, H * V)
+        self.qkv = nn.Linear(self.d_model, sum(self._split))
+        self.conv = ShortConv(sum(self._split), conv_size)
+        self.beta_proj = nn.Linear(self.d_model, H)
         self.out_proj = nn.Linear(H * V, self.d_model)
-        self.norm = nn.LayerNorm(self.d_model) if layer_norm else nn.Identity()
+        self._matrix_numel = H * K * V
+        with torch.no_grad():
+            self.beta_proj.bias.fill_(self._default_beta_bias() if beta_bias_init is None else float(beta_bias_init))
+
+    def _default_beta_bias(self) -> float:
+        return 0.0  # β = 0.5: DeltaNet's gate is β, so its mean starts at 0.5
 
     @property
     def state_shape(self) -> tuple[int, ...]:
-        return (self.n_heads, self.head_dim, self.value_dim)
+        return (self._matrix_numel + self.conv.window_size * self.conv.channels,)
+
+    def state_parts(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of a state ``[B, N]``: the delta-rule matrix ``[B, H, K, V]`` and the convolution window
+        ``[B, W-1, C]`` (writes through them update ``state``)."""
+        B = state.shape[0]
+        matrix = state[:, : self._matrix_numel].view(B, self.n_heads, self.head_dim, self.value_dim)
+        window = state[:, self._matrix_numel :].view(B, self.conv.window_size, self.conv.channels)
+        return matrix, window
 
     # -- the parts that differ between EFLA and DeltaNet -------------------------------------------------
     def _keys(self, k_raw: torch.Tensor) -> torch.Tensor:
@@ -211,54 +263,54 @@ class _DeltaRuleMemory(Memory):
         return torch.sigmoid(logit)
 
     # -- shared ------------------------------------------------------------------------------------------
-    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``x [..., in]`` → ``h [..., d]``, ``q, k_raw [..., H, K]``, ``v [..., H, V]``, ``β [..., H]``."""
-        h = self.in_proj(x)
-        q, k, v, b = self.qkvb(h).split(self._split, dim=-1)
-        lead = h.shape[:-1]
-        H = self.n_heads
+    def _heads(self, qkv: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Convolved ``qkv [..., C]`` and ``h [..., d]`` → ``q [..., H, K]``, keys ``[..., H, K]`` (as the rule takes
+        them), ``v [..., H, V]``, ``β [..., H]``."""
+        q, k, v = qkv.split(self._split, dim=-1)
+        lead, H = qkv.shape[:-1], self.n_heads
         q = q.reshape(*lead, H, self.head_dim)
         k = k.reshape(*lead, H, self.head_dim)
         v = v.reshape(*lead, H, self.value_dim)
         if self.query_norm:
             q = F.normalize(q, dim=-1, eps=1e-6)
-        return h, q, k, v, self._beta(b)
+        return q, self._keys(k), v, self._beta(self.beta_proj(h))
 
-    def _output(self, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        return self.norm(h + self.out_proj(o.flatten(-2)))
+    def _sequence_inputs(self, h: torch.Tensor, window: torch.Tensor, resets: torch.Tensor | None):
+        qkv, new_window = self.conv(self.qkv(h), window, resets)
+        return (*self._heads(qkv, h), new_window)
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T = x.shape[:2]
-        resets = _check_resets(resets, (B, T), x.device)
-        h, q, k_raw, v, beta = self._project(x)
-        o, final = chunk_rule(
-            q, self._keys(k_raw), v, beta, rule=self.rule, initial_state=state, resets=resets, backend=self.backend,
-            chunk_size=self.chunk_size,
-        )
-        return self._output(h, o.to(h.dtype)), final
+    def _core(self, h, state, resets):
+        matrix, window = self.state_parts(state)
+        q, k, v, beta, new_window = self._sequence_inputs(h, window, resets)
+        o, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=matrix, resets=resets,
+                              backend=self.backend, chunk_size=self.chunk_size)
+        final_state = torch.cat([final.flatten(1), new_window.flatten(1).to(final.dtype)], dim=1)
+        return self.out_proj(o.to(h.dtype).flatten(-2)), final_state
 
-    def step(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
-        resets = _check_resets(resets, (x.shape[0],), x.device)
-        h, q, k_raw, v, beta = self._project(x)
-        o = step_rule(q, self._keys(k_raw), v, beta, state, rule=self.rule, resets=resets, backend=self.backend)
-        return self._output(h, o.to(h.dtype))
+    def _core_step(self, h, state, resets):
+        q, k, v, beta = self._heads(self.conv.step(self.qkv(h), self.state_parts(state)[1], resets), h)
+        # the matrix view is taken after the window's in-place update: under autograd that update gives the state
+        # a new version, which an older view may not be written through
+        matrix = self.state_parts(state)[0]
+        o = step_rule(q, k, v, beta, matrix, rule=self.rule, resets=resets, backend=self.backend)
+        return self.out_proj(o.to(h.dtype).flatten(-2))
 
     @torch.no_grad()
     def diagnostics(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """``key_norm_mean/max``: raw key norms (before any normalisation) over all (b, t, head);
-        ``gate_mean`` / ``gate_saturated_frac``: the gate ``1 - eigenvalue`` of each step's transition and the
-        fraction above 0.99; ``state_norm_mean/max``: Frobenius norm per (batch, head) of the FINAL state reached
-        after the sequence (per-step states would cost a K-fold larger computation)."""
+        """``key_norm_mean/max``: norms of the keys the rule takes (EFLA's raw keys; DeltaNet's unit keys) over all
+        (b, t, head); ``gate_mean`` / ``gate_saturated_frac``: the gate ``1 - eigenvalue`` of each step's transition
+        and the fraction above 0.99; ``state_norm_mean/max``: Frobenius norm per (batch, head) of the FINAL matrix
+        state reached after the sequence (per-step states would cost a K-fold larger computation)."""
         B, T = x.shape[:2]
         resets = _check_resets(resets, (B, T), x.device)
-        _, q, k_raw, v, beta = self._project(x)
-        knorm = k_raw.float().norm(dim=-1)
+        h = self.in_proj(x)
+        matrix, window = self.state_parts(state)
+        q, k, v, beta, _ = self._sequence_inputs(h, window, resets)
         # 1 − (the transition's non-unit eigenvalue), from the rule's single definition in rlseq.kernels
-        _, gate, _ = unit_key_scales(self._keys(k_raw).float(), beta.float(), self.rule)
-        _, final = chunk_rule(
-            q, self._keys(k_raw), v, beta, rule=self.rule, initial_state=state, resets=resets, backend=self.backend,
-            chunk_size=self.chunk_size,
-        )
+        _, gate, _ = unit_key_scales(k.float(), beta.float(), self.rule)
+        _, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=matrix, resets=resets,
+                              backend=self.backend, chunk_size=self.chunk_size)
+        knorm = k.float().norm(dim=-1)
         snorm = final.flatten(2).norm(dim=-1)
         return {
             "key_norm_mean": knorm.mean(),
@@ -270,71 +322,81 @@ class _DeltaRuleMemory(Memory):
         }
 
     def _describe_bad(self, bad: torch.Tensor) -> str:
-        pairs = bad.flatten(2).any(-1).nonzero().tolist()  # (batch, head)
-        return f", (batch, head) pairs {_short([tuple(p) for p in pairs])}"
+        if bad.dim() != 2:
+            return ""
+        matrix, window = self.state_parts(bad)
+        pairs = matrix.flatten(2).any(-1).nonzero().tolist()  # (batch, head)
+        in_window = window.flatten(1).any(-1).nonzero().flatten().tolist()
+        return f", (batch, head) pairs {_short([tuple(p) for p in pairs])}, convolution window of batch {_short(in_window)}"
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, n_heads={self.n_heads}, "
-            f"head_dim={self.head_dim}, value_dim={self.value_dim}, query_norm={self.query_norm}, backend={self.backend}, "
+            f"{super().extra_repr()}, n_heads={self.n_heads}, head_dim={self.head_dim}, value_dim={self.value_dim}, "
+            f"conv_size={self.conv.kernel_size}, query_norm={self.query_norm}, backend={self.backend}, "
             f"chunk_size={self.chunk_size}"
         )
 
 
 class EFLAMemory(_DeltaRuleMemory):
-    """Multi-head EFLA (Error-Free Linear Attention) memory block.
+    """Multi-head EFLA (Error-Free Linear Attention) memory in the shared block.
 
-    Per step t, with ``h = in_proj(x)`` (the identity unless ``d_model`` differs from ``in_features``)::
+    Per step t, with ``h = LayerNorm(W_in x)``::
 
-        q, k, v = W_q h, W_k h, W_v h            (per head: q, k ∈ R^K, v ∈ R^V; one fused projection)
+        q, k, v = silu(conv_W(W_qkv h))          (causal depthwise conv of width W over time, per channel)
         β       = sigmoid(w_β · h + b_β)         (per head, ∈ (0, 1))
-        S_t     = EFLA(S_{t-1}; k, v, β)          (exact rank-1 ODE step, docs/efla.md §2)
+        S_t     = EFLA(S_{t-1}; k, v, β)          (exact rank-1 ODE step, docs/rules.md)
         o       = S_tᵀ q̂                         (q̂ = q/‖q‖ when query_norm, else q)
         y       = LayerNorm(h + W_o [o_1 … o_H])
 
     Choices and why:
 
+    - **Short convolution** (``conv_size=4``, as flash-linear-attention's delta-rule layers): without it q, k and v
+      depend on the current step alone and the memory cannot address "k steps ago" (a recall task such as POPGym's
+      RepeatPrevious stays at chance). Its window of the last ``W-1`` projected inputs is part of the state and is
+      zeroed at episode starts exactly like the matrix; ``conv_size=1`` removes the window.
     - **Raw keys.** EFLA's key norm ``λ = ‖k‖²`` is its data-dependent gate: the transition's eigenvalue is
-      ``exp(-βλ) ∈ (0, 1]`` for ANY key scale, so the state cannot blow up, and huge inputs saturate the write
-      (``α‖k‖ ≤ 0.64√β``) instead of exploding. Normalising the keys would remove exactly that property.
-    - **β = sigmoid(linear(h))**, bias init ``beta_bias_init`` (0 → β = 0.5): EFLA integrates the ODE over a
-      step of length β; (0, 1) is the usual DeltaNet range, which keeps the two memories comparable.
-    - **Query normalisation (default on)**: L2 per head, no extra ``1/√K`` scale (a unit query needs none;
-      the output projection learns the scale). A unit-query read along ``k̂`` returns ``α‖k‖·v``, the bounded
-      write strength of efla.md, so reads stay bounded whatever the input scale. ``query_norm=False`` reads
-      with raw queries.
-    - **Projections take the input as is** (post-norm block, no LayerNorm before q/k): the key norm then
-      follows the input scale, which is the regime EFLA is designed for. The LayerNorm sits after the
-      residual so the policy heads see normalised features.
-    - **Residual**: the current input reaches the output directly; the memory only has to add what the
-      present observation lacks.
-    - **No short convolution, no activation on q/k/v** (unlike some DeltaNet layers): the matrix state is then the
-      ONLY recurrent state, which keeps acting, storage and resets simple.
-    - **State** ``[B, H, K, V]`` float32 (``K = head_dim``, ``V = value_dim`` defaulting to ``head_dim``), whatever
-      the activation dtype; zeros at episode starts.
-    - Defaults ``n_heads=4, head_dim=32``: 4·32·32 = 4096 floats of state per sequence (16 KiB).
-    - **One fused projection** for q, k, v and the β logits (one GEMM per acting step), PyTorch's default
-      ``nn.Linear`` initialisation. With unit-scale features ``‖k‖² ≈ K/3`` at init, so for K = 32 and β = 0.5 the
-      gate ``c = 1 - e^{-βλ}`` starts near saturation (fast overwriting along k̂); it is learned from there
-      (``diagnostics()['gate_mean']`` tracks it; a negative ``beta_bias_init`` starts it lower).
-    - **Width**: ``out_features = d_model``, by default the input width; with ``d_model`` set, a linear
-      ``in_proj`` maps the input to it first (useful over narrow vector observations) and the residual runs
-      in the ``d_model`` space. The projections stay linear in x, so the key norm still follows the input scale.
+      ``exp(-βλ) ∈ (0, 1]`` for ANY key scale, so the state cannot blow up, and huge keys saturate the write
+      instead of exploding. Normalising the keys would remove exactly that property.
+    - **Matched start.** ``beta_bias_init=None`` sets b_β so that EFLA's mean gate ``1 - e^{-βλ}`` starts at 0.5
+      on unit-normal block inputs, DeltaNet's starting gate (its gate is β = sigmoid(0)); the
+      comparison then starts both memories in the same regime (``memory/gate_mean`` is logged from step 0).
+    - **Query normalisation (default on)**: L2 per head, no extra ``1/√K`` scale (the output projection learns
+      it), so reads stay bounded whatever the input scale.
+    - **State** ``[B, H·K·V + (W-1)·C]`` float32 (``C = H(2K + V)``); :meth:`state_parts` gives the matrix
+      ``[B, H, K, V]`` and the window ``[B, W-1, C]`` as views.
+    - Defaults ``n_heads=4``, ``head_dim = value_dim = d_model / n_heads`` (32 at the default width 128):
+      4·32·32 = 4096 floats of matrix state per sequence.
 
     Args:
         in_features: F, size of ``x``.
+        d_model: block width (default 128).
         n_heads, head_dim, value_dim: H, K, V.
-        d_model: block width; an input projection ``F → d_model`` is added when it differs from F.
-            ``out_features = d_model`` (default ``in_features``).
+        conv_size: W, the short convolution's width (1: no temporal window).
         query_norm: L2-normalise queries per head.
-        beta_bias_init: initial bias of the β logit.
-        layer_norm: final LayerNorm (on by default).
+        beta_bias_init: initial bias of the β logit (None: the matched start above).
         backend: kernel backend passed to ``chunk_rule``/``step_rule`` (None: Triton on CUDA, torch on the CPU).
         chunk_size: chunk length of the torch backend's ``chunk_rule`` (None: the kernel's default).
     """
 
     name = "efla"
     rule = "efla"
+    target_start_gate = 0.5
+
+    def _default_beta_bias(self) -> float:
+        """b_β with a mean starting gate of :attr:`target_start_gate` over unit-normal block inputs (a fixed
+        generator: the global random stream is untouched), found by bisection on β."""
+        gen = torch.Generator().manual_seed(0)
+        h = torch.randn(64, 16, self.d_model, generator=gen)
+        with torch.no_grad():
+            window = torch.zeros(64, self.conv.window_size, self.conv.channels)
+            k = self.conv(self.qkv(h), window, None)[0].split(self._split, dim=-1)[1]
+            lam = k.reshape(64, 16, self.n_heads, self.head_dim).double().pow(2).sum(-1)
+            lo, hi = 1e-6, 1 - 1e-6
+            for _ in range(50):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if float((-torch.expm1(-mid * lam)).mean()) < self.target_start_gate else (lo, mid)
+        beta = (lo + hi) / 2
+        return math.log(beta / (1 - beta))
 
 
 class DeltaNetMemory(_DeltaRuleMemory):
@@ -342,19 +404,19 @@ class DeltaNetMemory(_DeltaRuleMemory):
 
         k̂ = k/‖k‖,  S_t = (I - β k̂ k̂ᵀ) S_{t-1} + β k̂ vᵀ
 
-    The standard DeltaNet: with unit keys the transition's eigenvalue ``1 - β`` lies in (0, 1) for
-    ``β = sigmoid(·)``. ``allow_negative_eigenvalues=True`` uses ``β = 2·sigmoid(·) ∈ (0, 2)``, eigenvalues in
-    (-1, 1), which helps state tracking (in low precision a β close to 2 can still push it past -1).
-    Every other choice (and argument) is as in :class:`EFLAMemory`; the diagnostics' ``gate`` is
-    ``β‖k̂‖² = β``.
+    The standard DeltaNet (as in flash-linear-attention's layer: short convolution + SiLU on q, k, v, unit
+    keys): the transition's eigenvalue ``1 - β`` lies in (0, 1) for ``β = sigmoid(·)``, starting at 0.5.
+    ``allow_negative_eigenvalues=True`` uses ``β = 2·sigmoid(·) ∈ (0, 2)``, eigenvalues in (-1, 1), which helps
+    state tracking. Every other choice (and argument) is as in :class:`EFLAMemory`; the diagnostics' ``gate``
+    is β.
     """
 
     name = "deltanet"
     rule = "deltanet"
 
     def __init__(self, in_features: int, *, allow_negative_eigenvalues: bool = False, **kwargs: Any) -> None:
-        super().__init__(in_features, **kwargs)
         self.allow_negative_eigenvalues = bool(allow_negative_eigenvalues)
+        super().__init__(in_features, **kwargs)
 
     def _keys(self, k_raw: torch.Tensor) -> torch.Tensor:
         return F.normalize(k_raw, dim=-1, eps=1e-6)
@@ -363,53 +425,63 @@ class DeltaNetMemory(_DeltaRuleMemory):
         b = torch.sigmoid(logit)
         return 2 * b if self.allow_negative_eigenvalues else b
 
+    def _default_beta_bias(self) -> float:
+        return -math.log(3.0) if self.allow_negative_eigenvalues else 0.0  # β starts at 0.5 either way
+
     def extra_repr(self) -> str:
         return super().extra_repr() + f", allow_negative_eigenvalues={self.allow_negative_eigenvalues}"
 
 
-class LSTMMemory(Memory):
-    """``nn.LSTM`` baseline behind the :class:`Memory` interface.
+class _RNNMemory(Memory):
+    """Core of :class:`GRUMemory` and :class:`LSTMMemory`: ``m = W_o rnn(h)``, state ``[B, P, L, hidden]`` with
+    ``P`` the RNN's state tensors (GRU: h; LSTM: h, c).
 
-    State ``[B, 2, num_layers, hidden_size]`` float32: h at ``[:, 0]``, c at ``[:, 1]``. ``out_features =
-    hidden_size`` (the top layer's h), as in sb3-contrib's LSTM policies.
-
-    Resets are exact and ``forward`` makes ONE ``nn.LSTM`` call (cuDNN on the GPU) whatever the resets: without
-    resets the whole batch goes through at once; otherwise every sequence is cut into its episode segments,
-    the segments are packed (``pack_padded_sequence``) and run together, the first segment of each sequence
-    from the carried state and every later one from zeros. No Python loop over time steps, unlike
-    sb3-contrib's ``_process_sequence``.
+    Resets are exact and ``forward`` makes ONE RNN call (cuDNN on the GPU) whatever the resets: without resets
+    the whole batch goes through at once; otherwise every sequence is cut into its episode segments, the segments
+    are packed (``pack_padded_sequence``) and run together, the first segment of each sequence from the carried
+    state and every later one from zeros. No Python loop over time steps, unlike sb3-contrib's
+    ``_process_sequence``.
     """
 
-    name = "lstm"
     train_graph_obstacle = "its training pass reads the episode starts on the host (nonzero, pack_padded_sequence)"
+    rnn_class: type[nn.RNNBase]
+    n_parts: int
+    hidden_ratio: float  # default hidden_size / d_model: matches the delta-rule cores' parameter count
 
-    def __init__(self, in_features: int, *, hidden_size: int = 256, num_layers: int = 1, **lstm_kwargs: Any) -> None:
-        super().__init__()
-        if lstm_kwargs.pop("batch_first", True) is not True or lstm_kwargs.get("bidirectional"):
-            raise ValueError("LSTMMemory is always batch_first and unidirectional")
-        self.in_features = int(in_features)
-        self.hidden_size, self.num_layers = int(hidden_size), int(num_layers)
-        self.out_features = self.hidden_size
-        self.lstm = nn.LSTM(self.in_features, self.hidden_size, num_layers=self.num_layers, batch_first=True, **lstm_kwargs)
+    def __init__(self, in_features: int, *, d_model: int | None = None, hidden_size: int | None = None,
+                 num_layers: int = 1, **rnn_kwargs: Any) -> None:
+        super().__init__(in_features, d_model=d_model)
+        if rnn_kwargs.pop("batch_first", True) is not True or rnn_kwargs.get("bidirectional"):
+            raise ValueError(f"{type(self).__name__} is always batch_first and unidirectional")
+        self.hidden_size = int(hidden_size) if hidden_size is not None else max(1, round(self.hidden_ratio * self.d_model))
+        self.num_layers = int(num_layers)
+        self.rnn = self.rnn_class(self.d_model, self.hidden_size, num_layers=self.num_layers, batch_first=True,
+                                  **rnn_kwargs)
+        self.out_proj = nn.Linear(self.hidden_size, self.d_model)
 
     @property
     def state_shape(self) -> tuple[int, ...]:
-        return (2, self.num_layers, self.hidden_size)
+        return (self.n_parts, self.num_layers, self.hidden_size)
 
-    @staticmethod
-    def _unpack(state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [B, 2, L, H] -> ([L, B, H], [L, B, H])
-        return state[:, 0].transpose(0, 1).contiguous(), state[:, 1].transpose(0, 1).contiguous()
+    def _unpack(self, state: torch.Tensor):
+        """``[B, P, L, H]`` → what the RNN takes: ``[L, B, H]`` (GRU) or a pair of those (LSTM)."""
+        parts = tuple(state[:, i].transpose(0, 1).contiguous() for i in range(self.n_parts))
+        return parts if self.n_parts > 1 else parts[0]
 
-    def forward(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        B, T = x.shape[:2]
-        resets = _check_resets(resets, (B, T), x.device)
-        state = state.to(x.dtype)
+    def _pack(self, rnn_state) -> torch.Tensor:
+        """The RNN's final state (as :meth:`_unpack` gives it) → ``[B, P, L, H]``."""
+        parts = rnn_state if isinstance(rnn_state, tuple) else (rnn_state,)
+        return torch.stack(parts, 0).permute(2, 0, 1, 3)
+
+    def _core(self, h, state, resets):
+        B, T = h.shape[:2]
+        state = state.to(h.dtype)
         if resets is None or not bool(resets[:, 1:].any()):
             # Fast path: no episode starts after t = 0, one call over the whole batch.
             if resets is not None:
                 state = state * (~resets[:, 0]).to(state.dtype).view(B, 1, 1, 1)
-            y, (h, c) = self.lstm(x, self._unpack(state))
-            return y, torch.stack([h, c], 0).permute(2, 0, 1, 3)
+            y, final = self.rnn(h, self._unpack(state))
+            return self.out_proj(y), self._pack(final)
 
         # Segment starts (b, t): every reset and every t = 0. Sorted by b then t, so in flat index b*T + t the
         # segments tile [0, B*T) in order and each one's length is the gap to the next start.
@@ -419,35 +491,33 @@ class LSTMMemory(Memory):
         lengths = torch.diff(starts, append=starts.new_tensor([B * T]))
         seg_b = starts // T
         lmax = int(lengths.max())
-        steps = torch.arange(lmax, device=x.device)
+        steps = torch.arange(lmax, device=h.device)
         gather = (starts.unsqueeze(1) + steps).clamp_max(B * T - 1)  # [P, lmax]
-        padded = x.reshape(B * T, -1)[gather]  # [P, lmax, F]
+        padded = h.reshape(B * T, -1)[gather]  # [P, lmax, d]
         # First segment of a sequence starts from the carried state unless it resets at t = 0; the rest from 0.
         keep = ((starts % T) == 0) & ~resets.view(-1)[starts]
-        h0, c0 = self._unpack(state[seg_b] * keep.to(state.dtype).view(-1, 1, 1, 1))
+        h0 = self._unpack(state[seg_b] * keep.to(state.dtype).view(-1, 1, 1, 1))
         packed = nn.utils.rnn.pack_padded_sequence(padded, lengths.cpu(), batch_first=True, enforce_sorted=False)
-        out, (h, c) = self.lstm(packed, (h0, c0))
+        out, final = self.rnn(packed, h0)
         out, _ = nn.utils.rnn.pad_packed_sequence(out, batch_first=True, total_length=lmax)
         valid = steps.unsqueeze(0) < lengths.unsqueeze(1)
         y = out[valid].view(B, T, self.hidden_size)  # row-major over (segment, step) == flat (b, t) order
         # The last segment of each sequence holds its final state.
         last = torch.diff(seg_b, append=seg_b.new_tensor([B])).nonzero().flatten()
-        final = torch.stack([h[:, last], c[:, last]], 0).permute(2, 0, 1, 3)
-        return y, final
+        return self.out_proj(y), self._pack(final)[last]
 
-    def step(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
-        resets = _check_resets(resets, (x.shape[0],), x.device)
+    def _core_step(self, h, state, resets):
         if resets is not None:
             state.masked_fill_(resets.view(-1, 1, 1, 1), 0.0)
-        y, (h, c) = self.lstm(x.unsqueeze(1), self._unpack(state.to(x.dtype)))
-        state[:, 0].copy_(h.transpose(0, 1))
-        state[:, 1].copy_(c.transpose(0, 1))
-        return y.squeeze(1)
+        # a copy: the RNN's inputs must not be views of the state written below (autograd forbids it)
+        y, final = self.rnn(h.unsqueeze(1), self._unpack(state.to(h.dtype, copy=True)))
+        state.copy_(self._pack(final))
+        return self.out_proj(y.squeeze(1))
 
     @torch.no_grad()
     def diagnostics(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """``state_norm_mean/max``: L2 norm of (h, c) over all layers, per sequence, of the FINAL state reached
-        after the sequence, as for the delta-rule memories (one ``forward`` call, no loop over time)."""
+        """``state_norm_mean/max``: L2 norm of the whole RNN state over all layers, per sequence, of the FINAL state
+        reached after the sequence, as for the delta-rule memories (one ``forward`` call, no loop over time)."""
         _, final = self.forward(x, state, resets)
         n = final.flatten(1).norm(dim=-1)
         return {"state_norm_mean": n.mean(), "state_norm_max": n.max()}
@@ -455,16 +525,43 @@ class LSTMMemory(Memory):
     def _describe_bad(self, bad: torch.Tensor) -> str:
         if bad.dim() != 4:
             return ""
-        trip = bad.any(-1).nonzero().tolist()  # (batch, h/c, layer)
-        return f", (batch, h=0/c=1, layer) {_short([tuple(t) for t in trip])}"
+        trip = bad.any(-1).nonzero().tolist()  # (batch, part, layer)
+        return f", (batch, {self._part_names}, layer) {_short([tuple(t) for t in trip])}"
+
+    _part_names = "part"
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, hidden_size={self.hidden_size}, num_layers={self.num_layers}"
+        return f"{super().extra_repr()}, hidden_size={self.hidden_size}, num_layers={self.num_layers}"
+
+
+class GRUMemory(_RNNMemory):
+    """``nn.GRU`` baseline in the shared block: state ``[B, 1, num_layers, hidden_size]`` float32. POPGym's study
+    found the GRU the strongest classic memory. Default ``hidden_size = 0.75·d_model`` (96 at the default width):
+    its core then has about as many parameters as the delta-rule cores (see the module docstring)."""
+
+    name = "gru"
+    rnn_class = nn.GRU
+    n_parts = 1
+    hidden_ratio = 0.75
+    _part_names = "h=0"
+
+
+class LSTMMemory(_RNNMemory):
+    """``nn.LSTM`` baseline in the shared block: state ``[B, 2, num_layers, hidden_size]`` float32, h at
+    ``[:, 0]``, c at ``[:, 1]``. Default ``hidden_size = 0.625·d_model`` (80 at the default width), for matched
+    parameter counts (see the module docstring)."""
+
+    name = "lstm"
+    rnn_class = nn.LSTM
+    n_parts = 2
+    hidden_ratio = 0.625
+    _part_names = "h=0/c=1"
 
 
 _REGISTRY: dict[str, type[Memory]] = {
     "efla": EFLAMemory,
     "deltanet": DeltaNetMemory,
+    "gru": GRUMemory,
     "lstm": LSTMMemory,
     "none": NoMemory,
 }
@@ -481,8 +578,13 @@ def memory_class(name: str) -> type[Memory]:
 def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:
     """Build a memory by name (one of :data:`MEMORIES`) over ``in_features`` inputs.
 
-    ``memory_kwargs`` go to the class: :class:`EFLAMemory` / :class:`DeltaNetMemory` (``n_heads``, ``head_dim``,
-    ``value_dim``, ``d_model``, ``query_norm``, ``backend``, ...), :class:`LSTMMemory` (``hidden_size``,
-    ``num_layers``), :class:`NoMemory` (none).
+    ``memory_kwargs`` go to the class: every memory takes ``d_model``; :class:`EFLAMemory` /
+    :class:`DeltaNetMemory` also ``n_heads``, ``head_dim``, ``value_dim``, ``conv_size``, ``query_norm``,
+    ``beta_bias_init``, ``backend``, ``chunk_size``; :class:`GRUMemory` / :class:`LSTMMemory` ``hidden_size``,
+    ``num_layers``. An unknown keyword raises ``TypeError`` naming the class.
     """
-    return memory_class(name)(in_features, **memory_kwargs)
+    cls = memory_class(name)
+    try:
+        return cls(in_features, **memory_kwargs)
+    except TypeError as e:
+        raise TypeError(f"{cls.__name__}: {e} (memory_kwargs {sorted(memory_kwargs)})") from None
