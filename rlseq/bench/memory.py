@@ -1,0 +1,564 @@
+"""``python -m rlseq.bench memory``: does each memory remember? PPO on POPGym tasks, per variant, seed and task.
+
+    python -m rlseq.bench memory --quick                       # a small slice; report runs/memory_benchmark_quick.md
+    python -m rlseq.bench memory --jobs 16                     # the full grid into docs/memory_benchmark/
+    python -m rlseq.bench memory --report-only --out docs/memory_benchmark   # docs/memory_benchmark.md again
+
+The grid is tasks x variants x seeds: the variants are rlseq's memories (``MEMORIES``, trained by MemoryPPO with
+``configs/popgym.yml``) and ``sb3-lstm``, stock sb3-contrib RecurrentPPO with ``MlpLstmPolicy`` as the outside
+anchor. Every run of a task gets the same env-step budget. Each run is one ``python -m rlseq.train`` process with
+one torch thread (its folder ``<logdir>/<task>/<variant>/seed<S>/``, log in ``train.log``), then, in the same
+worker, an evaluation of its final model on new episodes; the worker writes the run's result JSON and its curve
+CSV under ``<out>/results/`` (see :mod:`rlseq.bench.memory_report`), atomically, and ``<out>/benchmark.json``
+records each invocation. ``--jobs`` workers run side by side.
+
+Resuming: the same command again skips every run with a result, only evaluates a run whose training finished,
+and continues an interrupted run from its last checkpoint (``--resume``). A run that fails is reported with the
+end of its log while the others go on; it is tried again by the next invocation. Ctrl-C stops the running
+trainers at once (they keep their last checkpoint). Results made with another budget are refused, so that no
+task mixes budgets: choose another ``--out`` (and ``--logdir``).
+
+The report ``<out>.md`` (with ``<out>/curves.png``) is rewritten at the end of every invocation, and by
+``--report-only`` from the result files alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlseq.bench.memory_report import (MANIFEST, random_path, read_manifest, report_path, run_paths, short_task,
+                                       write_report)
+
+TASKS = ("popgym-RepeatPreviousEasy-v0", "popgym-RepeatFirstEasy-v0", "popgym-CountRecallEasy-v0",
+         "popgym-AutoencodeEasy-v0", "popgym-PositionOnlyCartPoleEasy-v0", "popgym-VelocityOnlyCartpoleEasy-v0",
+         "popgym-NoisyPositionOnlyPendulumEasy-v0", "popgym-HigherLowerEasy-v0", "popgym-MineSweeperEasy-v0",
+         "popgym-BattleshipEasy-v0")
+DEFAULT_STEPS = 100_000
+# tasks that need more env steps than DEFAULT_STEPS to tell the memories apart (every variant gets the same)
+TASK_STEPS: dict[str, int] = {}
+ANCHOR = "sb3-lstm"
+SEEDS = (0, 1, 2)
+EPISODES = 64
+QUICK = {"tasks": ("popgym-RepeatPreviousEasy-v0", "popgym-RepeatFirstEasy-v0", "popgym-PositionOnlyCartPoleEasy-v0"),
+         "variants": ("efla", "gru", "none", ANCHOR), "seeds": (0, 1), "steps": 30_000}
+DEFAULT_OUT = "docs/memory_benchmark"
+QUICK_OUT = "runs/memory_benchmark_quick"
+CHECKPOINTS_PER_RUN = 10  # resume granularity, and the progress bar's between the ends of runs
+EVAL_ENVS = 16
+
+
+def variants() -> list[str]:
+    """rlseq's memories, then the sb3-contrib anchor."""
+    from rlseq.policies.memory import MEMORIES
+
+    return [*MEMORIES, ANCHOR]
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """One cell of the grid."""
+
+    task: str
+    variant: str
+    seed: int
+    steps: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.task}/{self.variant}/seed{self.seed}"
+
+    def folder(self, logdir: str | Path) -> Path:
+        """The run folder ``python -m rlseq.train`` writes for this run."""
+        from rlseq.train import run_dir
+
+        memory, algo = self._memory_algo()
+        return run_dir(logdir, {"env": self.task, "memory": memory, "algo": algo, "seed": self.seed})
+
+    def train_argv(self, logdir: str | Path, *, device: str, extra: list[str] = ()) -> list[str]:
+        memory, algo = self._memory_algo()
+        return ["--env", self.task, "--memory", memory, "--algo", algo, "--seed", str(self.seed),
+                "--logdir", str(logdir), "--total-steps", str(self.steps),
+                "--checkpoint-every", str(max(1, self.steps // CHECKPOINTS_PER_RUN)), "--device", device,
+                *extra, "--resume", "--no-progress-bar"]
+
+    def _memory_algo(self) -> tuple[str, str]:
+        return ("lstm", "sb3-recurrent-ppo") if self.variant == ANCHOR else (self.variant, "rlseq")
+
+
+def build_grid(tasks: list[str], variant_names: list[str], seeds: list[int], steps: dict[str, int]) -> list[BenchRun]:
+    """Seed-major, so that a grid cut short has every task and variant at the seeds it reached."""
+    return [BenchRun(t, v, int(s), int(steps[t])) for s in seeds for t in tasks for v in variant_names]
+
+
+def is_done(run: BenchRun, out: Path) -> bool:
+    return run_paths(out, run.task, run.variant, run.seed)["result"].exists()
+
+
+def trained_steps(run: BenchRun, logdir: Path) -> int:
+    """Env steps the run has behind it: its budget when finished, else its newest checkpoint's."""
+    from rlseq.checkpoint import latest_checkpoint
+
+    folder = run.folder(logdir)
+    if (folder / "final_model.zip").exists():
+        return run.steps
+    ckpt = latest_checkpoint(folder / "checkpoints")
+    return min(run.steps, int(ckpt.name[len("step"):])) if ckpt is not None else 0
+
+
+def budget_conflicts(runs: list[BenchRun], out: Path, logdir: Path) -> list[str]:
+    """Runs whose existing result or run folder was made with another env-step budget."""
+    import yaml
+
+    bad = []
+    for r in runs:
+        result = run_paths(out, r.task, r.variant, r.seed)["result"]
+        if result.exists():
+            had = int(json.loads(result.read_text())["steps"])
+            if had != r.steps:
+                bad.append(f"{r.name}: result of {had:,} steps in {result}")
+            continue
+        cfg = r.folder(logdir) / "config.yaml"
+        if cfg.exists():
+            had = int((yaml.safe_load(cfg.read_text()) or {}).get("n_timesteps", r.steps))
+            if had != r.steps:
+                bad.append(f"{r.name}: run folder of {had:,} steps in {cfg.parent}")
+    return bad
+
+
+# ------------------------------------------------------------------------------------------------ environment
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def versions() -> dict[str, str]:
+    """Python, the libraries a result depends on, and rlseq's git commit (``+dirty``: rlseq/ or configs/ had
+    uncommitted changes)."""
+    import platform
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for dist in ("torch", "stable-baselines3", "sb3-contrib", "gymnasium", "popgym"):
+        try:
+            out[dist] = version(dist)
+        except PackageNotFoundError:
+            out[dist] = "absent"
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True, text=True,
+                                check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "rlseq", "configs"], cwd=repo,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        out["rlseq"] = commit + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        out["rlseq"] = "unknown"
+    return out
+
+
+def chance_level(task: str, episodes: int, seed: int = 0) -> dict[str, Any]:
+    """Mean and std of the return of uniformly random actions over ``episodes`` episodes."""
+    import gymnasium as gym
+    import numpy as np
+
+    _register_popgym()
+    env = gym.make(task)
+    env.action_space.seed(seed)
+    returns = []
+    for i in range(episodes):
+        env.reset(seed=seed * 100_000 + i)
+        total, done = 0.0, False
+        while not done:
+            _, reward, terminated, truncated, _ = env.step(env.action_space.sample())
+            total, done = total + float(reward), terminated or truncated
+        returns.append(total)
+    env.close()
+    r = np.asarray(returns)
+    return {"task": task, "policy": "uniformly random actions", "episodes": episodes, "seed": seed,
+            "mean": float(r.mean()), "std": float(r.std(ddof=1)) if len(r) > 1 else float("nan")}
+
+
+def _register_popgym() -> None:
+    import popgym  # noqa: F401  (registers the popgym-* ids with gymnasium)
+
+
+def check_tasks(tasks: list[str]) -> None:
+    import gymnasium as gym
+
+    _register_popgym()
+    unknown = [t for t in tasks if t not in gym.registry]
+    if unknown:
+        known = ", ".join(short_task(t) for t in sorted(gym.registry) if t.startswith("popgym-") and "Easy" in t)
+        raise SystemExit(f"unknown gymnasium id(s): {', '.join(unknown)} (POPGym ids look like "
+                         f"popgym-RepeatPreviousEasy-v0; Easy tasks: {known})")
+
+
+def _write_json(path: Path, doc: dict[str, Any]) -> None:
+    from rlseq.checkpoint import write_text_atomic
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(path, json.dumps(doc, indent=1) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------- worker
+_child: subprocess.Popen | None = None
+_stopping = False
+
+
+def _on_term(signum: int, _frame: Any) -> None:
+    global _stopping
+    _stopping = True
+    if _child is not None:
+        _child.send_signal(signal.SIGINT)  # the trainer stops as on Ctrl-C and keeps its last checkpoint
+
+
+def _init_worker(parent: int) -> None:
+    # the main process decides when to stop (a terminal's Ctrl-C reaches the trainers directly)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _on_term)
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    if sys.platform == "linux":
+        from rlseq.sweep import _stop_with_parent
+
+        _stop_with_parent(parent)
+
+
+def _trainer_setup(parent: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the worker ignores SIGINT, and an ignored signal is inherited
+    if sys.platform == "linux":
+        from rlseq.sweep import _stop_with_parent
+
+        _stop_with_parent(parent)
+
+
+def _tail(path: Path, n: int = 20) -> list[str]:
+    try:
+        return path.read_text(errors="replace").splitlines()[-n:]
+    except OSError:
+        return []
+
+
+def run_one(spec: dict[str, Any]) -> dict[str, Any]:
+    """Train (unless finished), evaluate and write one run's result; returns ``{"name", "state", ...}`` with
+    state ``done``, ``failed`` (with ``reason`` and ``log_tail``) or ``stopped``. Runs in a worker process."""
+    global _child
+    folder, paths = Path(spec["folder"]), {k: Path(v) for k, v in spec["paths"].items()}
+    log = folder / "train.log"
+    resumed = folder.exists()
+    train_wall = None
+    if not (folder / "final_model.zip").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "rlseq.train", *spec["argv"]]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        if spec["device"] == "cpu":
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        t0 = time.time()
+        with open(log, "a") as f:
+            f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(argv)}\n")
+            f.flush()
+            _child = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                      preexec_fn=functools.partial(_trainer_setup, os.getpid()))
+        rc = _child.wait()
+        _child = None
+        train_wall = time.time() - t0
+        if rc != 0:
+            if _stopping or rc in (-signal.SIGINT, -signal.SIGTERM):
+                return {"name": spec["name"], "state": "stopped"}
+            return _failed(spec, paths, f"training exited with code {rc}", _tail(log))
+    try:
+        return _evaluate(spec, folder, paths, train_wall=train_wall, resumed=resumed)
+    except Exception as e:  # noqa: BLE001  (any error of one run is that run's result, not the benchmark's)
+        import traceback
+
+        return _failed(spec, paths, f"evaluation failed: {type(e).__name__}: {e}",
+                       traceback.format_exc().splitlines()[-20:])
+
+
+def _failed(spec: dict[str, Any], paths: dict[str, Path], reason: str, tail: list[str]) -> dict[str, Any]:
+    doc = {"name": spec["name"], "task": spec["task"], "variant": spec["variant"], "seed": spec["seed"],
+           "steps": spec["steps"], "reason": reason, "log": str(Path(spec["folder"]) / "train.log"),
+           "log_tail": tail, "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    _write_json(paths["failed"], doc)
+    return {**doc, "state": "failed"}
+
+
+def _evaluate(spec: dict[str, Any], folder: Path, paths: dict[str, Path], *, train_wall: float | None,
+              resumed: bool) -> dict[str, Any]:
+    import torch
+    import yaml
+
+    from rlseq.checkpoint import write_text_atomic
+    from rlseq.evaluate import evaluate
+
+    torch.set_num_threads(1)
+    t0 = time.time()
+    ev = evaluate(folder, spec["episodes"], n_envs=min(EVAL_ENVS, spec["episodes"]), progress=False,
+                  device=spec["device"])
+    eval_wall = time.time() - t0
+    curve, speed = curve_and_speed(folder)
+    cfg = yaml.safe_load((folder / "config.yaml").read_text()) or {}
+    doc = {"name": spec["name"], "task": spec["task"], "variant": spec["variant"], "seed": spec["seed"],
+           "steps": spec["steps"], "episodes": int(ev["episodes"]), "eval_mean": ev["mean"], "eval_std": ev["std"],
+           "eval_min": ev["min"], "eval_max": ev["max"], "env_steps_per_s": speed, "train_wall_s": train_wall,
+           "eval_wall_s": eval_wall, "resumed": resumed, "run_folder": str(folder),
+           "config": {k: cfg.get(k) for k in ("algo", "n_envs", "n_steps", "n_minibatches", "n_epochs",
+                                               "learning_rate", "gamma", "ent_coef")},
+           "versions": spec["versions"], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    paths["curve"].parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(paths["curve"], curve.to_csv(index=False))
+    _write_json(paths["result"], doc)  # last: its presence marks the run finished
+    paths["failed"].unlink(missing_ok=True)
+    return {**doc, "state": "done"}
+
+
+def curve_and_speed(folder: Path):
+    """The run's ``rollout/ep_rew_mean`` curve (DataFrame step, ep_rew_mean) and its training env-steps/s: env
+    steps between each event file's first and last logged rollout over the wall time between them, summed over
+    the files of a resumed run (the same measure for every algorithm; start-up excluded)."""
+    import pandas as pd
+
+    from rlseq.compare import DEFAULT_METRIC, _merge_resumed, _read_event_file
+
+    frames = [_read_event_file(f) for f in sorted(folder.glob("events.out.tfevents.*"))]
+    steps = seconds = 0.0
+    for f in frames:
+        t = f.groupby("step")["wall_time"].max().sort_index()
+        if len(t) > 1:
+            steps, seconds = steps + float(t.index[-1] - t.index[0]), seconds + float(t.iloc[-1] - t.iloc[0])
+    merged = _merge_resumed(frames)
+    c = merged[merged["tag"] == DEFAULT_METRIC]
+    curve = pd.DataFrame({"step": c["step"].astype("int64"), "ep_rew_mean": c["value"]}).reset_index(drop=True)
+    return curve, (steps / seconds if seconds > 0 else None)
+
+
+# ------------------------------------------------------------------------------------------------------- grid
+def execute(runs: list[BenchRun], out: Path, logdir: Path, *, jobs: int, episodes: int, device: str,
+            extra: list[str], poll_s: float = 2.0) -> dict[str, list[dict[str, Any]]]:
+    """Run every run of ``runs`` that has no result on ``jobs`` workers, with a progress bar over the grid's env
+    steps. Returns the workers' answers by state (``done``, ``failed``, ``stopped``)."""
+    import multiprocessing as mp
+    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+    from tqdm.auto import tqdm
+
+    todo = [r for r in runs if not is_done(r, out)]
+    answers: dict[str, list[dict[str, Any]]] = {"done": [], "failed": [], "stopped": []}
+    if not todo:
+        return answers
+    ver = versions()
+    specs = {r: {"name": r.name, "task": r.task, "variant": r.variant, "seed": r.seed, "steps": r.steps,
+                 "folder": str(r.folder(logdir)), "argv": r.train_argv(logdir, device=device, extra=extra),
+                 "paths": {k: str(v) for k, v in run_paths(out, r.task, r.variant, r.seed).items()},
+                 "episodes": episodes, "device": device, "versions": ver} for r in todo}
+    finished = {r for r in runs if r not in specs}
+
+    def progress() -> int:
+        return sum(r.steps if r in finished else trained_steps(r, logdir) for r in runs)
+
+    # weighted by env steps: a run's share of the ETA is its budget
+    bar = tqdm(total=sum(r.steps for r in runs), initial=progress(), unit="step", unit_scale=True, smoothing=0,
+               desc=f"{len(todo)} runs on {jobs} jobs", dynamic_ncols=True)
+    ctx = mp.get_context("spawn")  # no fork of a process that may hold torch's threads
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx, initializer=_init_worker,
+                               initargs=(os.getpid(),))
+    futures = {pool.submit(run_one, specs[r]): r for r in todo}
+    pending = set(futures)
+    old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops like Ctrl-C
+    try:
+        while pending:
+            done, pending = wait(pending, timeout=poll_s, return_when=FIRST_COMPLETED)
+            for fut in done:
+                _collect(fut, futures[fut], answers, finished, bar)
+            bar.n = progress()
+            bar.set_postfix_str(f"{len(answers['done'])} done, {len(answers['failed'])} failed", refresh=False)
+            bar.refresh()
+    except KeyboardInterrupt:
+        bar.write("stopping: the running trainers keep their last checkpoint; the same command resumes them")
+        for fut in pending:
+            fut.cancel()
+        for proc in ctx.active_children():
+            proc.terminate()  # the worker passes it on to its trainer as SIGINT
+        for fut in [f for f in pending if not f.cancelled()]:
+            try:
+                _collect(fut, futures[fut], answers, finished, bar)
+            except Exception:  # noqa: BLE001  (a worker that died while stopping leaves its run to resume)
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+    return answers
+
+
+def _collect(fut: Any, run: BenchRun, answers: dict[str, list[dict[str, Any]]], finished: set[BenchRun],
+             bar: Any) -> None:
+    try:
+        answer = fut.result()
+    except Exception as e:  # noqa: BLE001  (a worker process that died: that run failed, the others go on)
+        answer = {"name": run.name, "state": "failed", "reason": f"worker died: {type(e).__name__}: {e}",
+                  "log_tail": []}
+    answers[answer["state"]].append(answer)
+    if answer["state"] == "done":
+        finished.add(run)
+        bar.write(f"done   {run.name}: return {answer['eval_mean']:.3f} over {answer['episodes']} episodes")
+    elif answer["state"] == "failed":
+        tail = "\n".join(f"    | {line}" for line in answer.get("log_tail", [])[-12:])
+        bar.write(f"FAILED {run.name}: {answer['reason']}" + (f"\n  end of {answer['log']}:\n{tail}"
+                                                               if answer.get("log") else f"\n{tail}"))
+
+
+# -------------------------------------------------------------------------------------------------------- CLI
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("--tasks", nargs="+", default=None, metavar="ID",
+                        help=f"gymnasium ids (default: the {len(TASKS)} POPGym Easy tasks: "
+                             f"{', '.join(short_task(t) for t in TASKS)})")
+    parser.add_argument("--variants", nargs="+", default=None, metavar="VARIANT",
+                        help=f"rlseq memories and {ANCHOR} (sb3-contrib RecurrentPPO MlpLstmPolicy); default: all")
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help=f"default: {' '.join(map(str, SEEDS))}")
+    parser.add_argument("--steps", type=_count, default=None,
+                        help=f"env steps of every run (default: {DEFAULT_STEPS:,} per task"
+                             + (", more where TASK_STEPS says" if TASK_STEPS else "") + ")")
+    parser.add_argument("--episodes", type=int, default=None, help=f"evaluation episodes per run (default {EPISODES})")
+    parser.add_argument("--jobs", type=int, default=None, help="runs side by side, one core each (default: the cores)")
+    parser.add_argument("--out", default=None,
+                        help=f"results folder; the report is <out>.md (default {DEFAULT_OUT}, with --quick {QUICK_OUT})")
+    parser.add_argument("--logdir", default=None,
+                        help="run folders (event files, checkpoints, models; not for committing); default runs/<out's name>")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"a slice: {', '.join(short_task(t) for t in QUICK['tasks'])}; "
+                             f"{', '.join(QUICK['variants'])}; seeds {', '.join(map(str, QUICK['seeds']))}; "
+                             f"{QUICK['steps']:,} steps (flags given win)")
+    parser.add_argument("--report-only", action="store_true", help="rewrite <out>.md and <out>/curves.png from "
+                                                                   "<out>/results and exit")
+    parser.add_argument("--dry-run", action="store_true", help="print each run's state and training command, and exit")
+    parser.add_argument("--device", default="cpu", help="device of training and evaluation (default cpu)")
+    for flag in ("n-envs", "n-steps", "n-minibatches"):
+        parser.add_argument(f"--{flag}", type=int, default=None,
+                            help="PPO setting of every run (default: configs/popgym.yml's; for smoke tests)")
+
+
+def _count(text: str) -> int:
+    """``100000``, ``1e5`` or ``100_000``."""
+    value = int(float(text.replace("_", "")))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text}")
+    return value
+
+
+def resolve_grid(args: argparse.Namespace) -> dict[str, Any]:
+    """The grid and settings of ``args`` (``--quick`` fills what the flags leave open)."""
+    quick = args.quick
+    tasks = list(args.tasks or (QUICK["tasks"] if quick else TASKS))
+    known = variants()
+    wanted = list(args.variants or (QUICK["variants"] if quick else known))
+    unknown = [v for v in wanted if v not in known]
+    if unknown:
+        raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+    steps = {t: args.steps or (QUICK["steps"] if quick else TASK_STEPS.get(t, DEFAULT_STEPS)) for t in tasks}
+    out = Path(args.out or (QUICK_OUT if quick else DEFAULT_OUT))
+    extra = [x for flag in ("n_envs", "n_steps", "n_minibatches") if getattr(args, flag) is not None
+             for x in (f"--{flag.replace('_', '-')}", str(getattr(args, flag)))]
+    return {"tasks": tasks, "variants": wanted, "seeds": list(args.seeds or (QUICK["seeds"] if quick else SEEDS)),
+            "steps": steps, "episodes": args.episodes or EPISODES, "jobs": args.jobs or os.cpu_count() or 1,
+            "out": out, "logdir": Path(args.logdir or Path("runs") / out.name), "extra": extra}
+
+
+def command(args: argparse.Namespace, g: dict[str, Any]) -> str:
+    """The command line of this invocation, with what it decided written out (jobs, out, logdir)."""
+    parts = ["python -m rlseq.bench memory"] + (["--quick"] if args.quick else [])
+    for flag in ("tasks", "variants", "seeds"):
+        if getattr(args, flag):
+            parts.append(f"--{flag} " + " ".join(map(str, getattr(args, flag))))
+    for flag in ("steps", "episodes", "n_envs", "n_steps", "n_minibatches"):
+        if getattr(args, flag) is not None:
+            parts.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}")
+    parts += [f"--jobs {g['jobs']}", f"--out {g['out'].as_posix()}", f"--logdir {g['logdir'].as_posix()}"]
+    if args.device != "cpu":
+        parts.append(f"--device {args.device}")
+    return " ".join(parts)
+
+
+def _record_invocation(out: Path, entry: dict[str, Any]) -> int:
+    manifest = read_manifest(out)
+    manifest["invocations"].append(entry)
+    _write_json(out / MANIFEST, manifest)
+    return len(manifest["invocations"]) - 1
+
+
+def _finish_invocation(out: Path, index: int, **fields: Any) -> None:
+    manifest = read_manifest(out)
+    manifest["invocations"][index].update(fields)
+    _write_json(out / MANIFEST, manifest)
+
+
+def main(args: argparse.Namespace) -> None:
+    g = resolve_grid(args)
+    out, logdir = g["out"], g["logdir"]
+    if args.report_only:
+        try:
+            print(f"wrote {write_report(out)}")
+        except FileNotFoundError as e:
+            raise SystemExit(f"error: {e}") from None
+        return
+    if g["jobs"] < 1 or g["episodes"] < 1:
+        raise SystemExit("--jobs and --episodes must be >= 1")
+    check_tasks(g["tasks"])
+    runs = build_grid(g["tasks"], g["variants"], g["seeds"], g["steps"])
+    conflicts = budget_conflicts(runs, out, logdir)
+    if conflicts:
+        shown = "\n  ".join(conflicts[:8]) + (f"\n  (+{len(conflicts) - 8} more)" if len(conflicts) > 8 else "")
+        raise SystemExit(f"error: {len(conflicts)} run(s) were made with another budget; choose another --out and "
+                         f"--logdir, or remove them:\n  {shown}")
+    todo = [r for r in runs if not is_done(r, out)]
+    if args.dry_run:
+        for r in runs:
+            state = "done" if r not in todo else f"at {trained_steps(r, logdir):,} steps"
+            print(f"{state:>16}  python -m rlseq.train {shlex.join(r.train_argv(logdir, device=args.device, extra=g['extra']))}")
+        return
+    print(f"memory benchmark: {len(runs)} runs ({len(g['tasks'])} tasks x {len(g['variants'])} variants x "
+          f"{len(g['seeds'])} seeds), {len(runs) - len(todo)} done already, {len(todo)} to run on {g['jobs']} jobs; "
+          f"results in {out / 'results'}, run folders in {logdir}", flush=True)
+    for task in g["tasks"]:
+        if not random_path(out, task).exists():
+            _write_json(random_path(out, task), chance_level(task, g["episodes"]))
+    answers: dict[str, list[dict[str, Any]]] = {"failed": [], "stopped": []}
+    if todo:
+        t0 = time.time()
+        index = _record_invocation(out, {
+            "command": command(args, g), "started": time.strftime("%Y-%m-%d %H:%M"), "jobs": g["jobs"],
+            "cpu": cpu_model(), "cores": os.cpu_count(), "wall_s": None, "runs": len(todo),
+            "grid": {"tasks": g["tasks"], "variants": g["variants"], "seeds": g["seeds"], "steps": g["steps"],
+                     "episodes": g["episodes"]}})
+        try:
+            answers = execute(runs, out, logdir, jobs=g["jobs"], episodes=g["episodes"], device=args.device,
+                              extra=g["extra"])
+        finally:
+            _finish_invocation(out, index, wall_s=time.time() - t0)
+    try:
+        print(f"wrote {write_report(out)}", flush=True)
+    except FileNotFoundError:
+        print("no run finished yet: no report", flush=True)
+    if answers["failed"]:
+        names = "\n  ".join(a["name"] for a in answers["failed"])
+        raise SystemExit(f"{len(answers['failed'])} run(s) failed (logs named above; the report lists them):\n  {names}")
+    if answers["stopped"]:
+        raise SystemExit(f"{len(answers['stopped'])} run(s) stopped; the same command resumes them")

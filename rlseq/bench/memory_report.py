@@ -1,0 +1,376 @@
+"""Statistics and the markdown report of ``python -m rlseq.bench memory``, from its per-run result files alone.
+
+Layout of an output folder OUT (written by :mod:`rlseq.bench.memory`; small enough to commit)::
+
+    OUT/benchmark.json                                 every invocation: command, grid, jobs, machine, wall time
+    OUT/results/<task>/random.json                     uniformly random actions: the chance level of the task
+    OUT/results/<task>/<variant>/seed<S>.json          a finished run: final evaluation, speed, config, versions
+    OUT/results/<task>/<variant>/seed<S>.csv           its training curve: step, ep_rew_mean
+    OUT/results/<task>/<variant>/seed<S>.failed.json   a run that failed, with the end of its log
+    OUT/curves.png                                     the learning curves, written with the report
+    OUT.md                                             the report (OUT = docs/memory_benchmark: docs/memory_benchmark.md)
+
+Statistics: per task and variant the IQM of the seeds' final evaluation returns with a 95% percentile
+stratified-bootstrap CI (rliable, through :func:`rlseq.compare._bootstrap_ci`); env-steps/s as the median
+over runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+MANIFEST = "benchmark.json"
+RESULTS = "results"
+CURVES_PNG = "curves.png"
+MEMORYLESS = "none"
+REPS = 2000  # bootstrap resamples of each CI
+
+
+def report_path(out: str | Path) -> Path:
+    """The markdown report of ``out``: its sibling ``<out>.md``, so ``docs/memory_benchmark`` gives
+    ``docs/memory_benchmark.md`` and the folder keeps only the data it is made from."""
+    out = Path(out)
+    return out.with_name(out.name + ".md")
+
+
+def run_paths(out: str | Path, task: str, variant: str, seed: int) -> dict[str, Path]:
+    """``{"result", "curve", "failed"}`` files of one run under ``out``."""
+    base = Path(out) / RESULTS / task / variant / f"seed{seed}"
+    return {"result": base.with_suffix(".json"), "curve": base.with_suffix(".csv"),
+            "failed": base.with_name(base.name + ".failed.json")}
+
+
+def random_path(out: str | Path, task: str) -> Path:
+    return Path(out) / RESULTS / task / "random.json"
+
+
+def short_task(task: str) -> str:
+    """``popgym-RepeatPreviousEasy-v0`` -> ``RepeatPreviousEasy`` (table rows and panel titles)."""
+    name = task.removeprefix("popgym-")
+    head, sep, version = name.rpartition("-v")
+    return head if sep and version.isdigit() else name
+
+
+def read_manifest(out: str | Path) -> dict[str, Any]:
+    path = Path(out) / MANIFEST
+    return json.loads(path.read_text()) if path.exists() else {"invocations": []}
+
+
+def grid_of(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The union of the invocations' grids: ``{"tasks": [...], "variants": [...], "seeds": [...], "steps":
+    {task: steps}}`` in first-seen order (a later invocation's budget for a task wins)."""
+    tasks: dict[str, None] = {}
+    variants: dict[str, None] = {}
+    seeds: dict[int, None] = {}
+    steps: dict[str, int] = {}
+    cells: set[tuple[str, str, int]] = set()
+    for inv in manifest.get("invocations", []):
+        g = inv["grid"]
+        tasks.update(dict.fromkeys(g["tasks"]))
+        variants.update(dict.fromkeys(g["variants"]))
+        seeds.update(dict.fromkeys(int(s) for s in g["seeds"]))
+        steps.update(g["steps"])
+        cells.update((t, v, int(s)) for t in g["tasks"] for v in g["variants"] for s in g["seeds"])
+    return {"tasks": list(tasks), "variants": list(variants), "seeds": list(seeds), "steps": steps,
+            "cells": cells}
+
+
+@dataclass
+class Results:
+    """Everything the report is made from.
+
+    ``runs``: one row per finished run (columns task, variant, seed, steps, eval_mean, eval_std, episodes,
+    env_steps_per_s, train_wall_s, eval_wall_s). ``curves``: columns task, variant, seed, step, value
+    (``rollout/ep_rew_mean``). ``failures``: the failure records of runs without a result. ``random``: task ->
+    mean return of random actions. ``missing``: names of grid runs with neither a result nor a failure.
+    ``records``: the result JSONs themselves (configs and versions).
+    """
+
+    runs: pd.DataFrame
+    curves: pd.DataFrame
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    random: dict[str, dict[str, Any]] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    records: list[dict[str, Any]] = field(default_factory=list)
+    manifest: dict[str, Any] = field(default_factory=dict)
+
+
+RUN_COLUMNS = ["task", "variant", "seed", "steps", "eval_mean", "eval_std", "episodes", "env_steps_per_s",
+               "train_wall_s", "eval_wall_s"]
+
+
+def load_results(out: str | Path) -> Results:
+    """Read every result, curve, failure and chance level under ``out/results``."""
+    out = Path(out)
+    manifest = read_manifest(out)
+    records, failures, random, curves = [], [], {}, []
+    root = out / RESULTS
+    for path in sorted(root.rglob("*.json")) if root.is_dir() else []:
+        doc = json.loads(path.read_text())
+        if path.name == "random.json":
+            random[doc["task"]] = doc
+        elif path.name.endswith(".failed.json"):
+            if not run_paths(out, doc["task"], doc["variant"], doc["seed"])["result"].exists():
+                failures.append(doc)
+        else:
+            records.append(doc)
+            curve = path.with_suffix(".csv")
+            if curve.exists():
+                c = pd.read_csv(curve)
+                if not c.empty:
+                    curves.append(pd.DataFrame({"task": doc["task"], "variant": doc["variant"], "seed": int(doc["seed"]),
+                                                "step": c["step"].astype("int64"), "value": c["ep_rew_mean"]}))
+    runs = pd.DataFrame([{k: r.get(k, math.nan) for k in RUN_COLUMNS} for r in records], columns=RUN_COLUMNS)
+    runs["seed"] = runs["seed"].astype("int64")
+    cells = grid_of(manifest)["cells"]
+    have = {(r["task"], r["variant"], int(r["seed"])) for r in records + failures}
+    missing = [f"{t}/{v}/seed{s}" for t, v, s in sorted(cells - have)]
+    curves_df = (pd.concat(curves, ignore_index=True) if curves
+                 else pd.DataFrame(columns=["task", "variant", "seed", "step", "value"]))
+    return Results(runs, curves_df, failures, random, missing, records, manifest)
+
+
+# ------------------------------------------------------------------------------------------------ statistics
+def summarize(runs: pd.DataFrame, *, reps: int = REPS, seed: int = 0) -> pd.DataFrame:
+    """One row per (task, variant): ``n`` seeds, ``iqm`` of their final evaluation returns
+    (``rliable.metrics.aggregate_iqm``: 25% trimmed mean, which equals the mean below 4 seeds), ``ci_low`` /
+    ``ci_high`` (95% percentile stratified-bootstrap CI, ``reps`` resamples, seeded; NaN with one seed) and
+    ``mean``."""
+    from rlseq.compare import _bootstrap_ci, _rliable
+
+    _, metrics = _rliable()
+
+    def iqm(scores: np.ndarray) -> np.ndarray:
+        return np.array([metrics.aggregate_iqm(scores)])
+
+    rows = []
+    for (task, variant), g in runs.groupby(["task", "variant"], sort=False):
+        x = g.sort_values("seed")["eval_mean"].to_numpy(np.float64)
+        scores = x.reshape(len(x), 1)  # rliable's (runs, tasks): one task, its seeds stratified together
+        lo = hi = math.nan
+        if len(x) > 1:
+            lo_a, hi_a = _bootstrap_ci(scores, iqm, reps=reps, seed=seed)
+            lo, hi = float(lo_a[0]), float(hi_a[0])
+        rows.append({"task": task, "variant": variant, "n": len(x), "iqm": float(iqm(scores)[0]),
+                     "ci_low": lo, "ci_high": hi, "mean": float(x.mean())})
+    return pd.DataFrame(rows, columns=["task", "variant", "n", "iqm", "ci_low", "ci_high", "mean"])
+
+
+def _interval(row: Any) -> tuple[float, float]:
+    """A row's CI, or its IQM as a point when it has one seed."""
+    if np.isfinite(row.ci_low) and np.isfinite(row.ci_high):
+        return float(row.ci_low), float(row.ci_high)
+    return float(row.iqm), float(row.iqm)
+
+
+def verdicts(summary: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """Per task: ``best`` (highest IQM), ``overlap`` (the others whose CI overlaps the best's), ``none_iqm``
+    and ``at_or_below_none`` (the others whose IQM is at or below the memoryless ``none``; empty without it)."""
+    out: dict[str, dict[str, Any]] = {}
+    for task, s in summary.groupby("task", sort=False):
+        best = s.loc[s["iqm"].idxmax()]
+        b_lo, b_hi = _interval(best)
+        overlap = [r.variant for r in s.itertuples() if r.variant != best.variant
+                   and _interval(r)[0] <= b_hi and b_lo <= _interval(r)[1]]
+        none = s[s["variant"] == MEMORYLESS]
+        none_iqm = float(none["iqm"].iloc[0]) if len(none) else math.nan
+        below = [r.variant for r in s.itertuples() if r.variant != MEMORYLESS and r.iqm <= none_iqm]
+        out[task] = {"best": best.variant, "best_iqm": float(best.iqm), "overlap": overlap,
+                     "none_iqm": none_iqm, "at_or_below_none": below}
+    return out
+
+
+def speeds(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
+    """Median env-steps/s over seeds per (task, variant) as a task x variant table, and over all runs per variant."""
+    d = runs[np.isfinite(runs["env_steps_per_s"].astype(float))]
+    per_task = d.groupby(["task", "variant"], sort=False)["env_steps_per_s"].median().unstack("variant")
+    return per_task, d.groupby("variant", sort=False)["env_steps_per_s"].median()
+
+
+# ------------------------------------------------------------------------------------------------- figures
+def plot(curves: pd.DataFrame, path: str | Path) -> Path | None:
+    """Training curves of ``rollout/ep_rew_mean``: one panel per task, mean over seeds with a ±std band per
+    variant (:func:`rlseq.compare.plot_curves`). None when there is no curve."""
+    if curves.empty:
+        return None
+    from rlseq.compare import DEFAULT_METRIC, plot_curves
+
+    df = curves.assign(env=curves["task"].map(short_task), tag=DEFAULT_METRIC)
+    return plot_curves(df[["env", "variant", "seed", "step", "tag", "value"]], path, aggregate="mean-std")
+
+
+# ------------------------------------------------------------------------------------------------- markdown
+def _num(x: float) -> str:
+    return "n/a" if x is None or not np.isfinite(x) else f"{x:.2f}"
+
+
+def _cell(row: Any) -> str:
+    if np.isfinite(row.ci_low):
+        return f"{_num(row.iqm)} [{_num(row.ci_low)}, {_num(row.ci_high)}]"
+    return f"{_num(row.iqm)} (n=1)" if row.n == 1 else _num(row.iqm)
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.2f} h"
+
+
+def _ordered(names: list[str], preferred: list[str]) -> list[str]:
+    """The distinct ``names`` in the order of ``preferred``, then the others sorted."""
+    return [v for v in dict.fromkeys(preferred) if v in names] + sorted(set(names) - set(preferred))
+
+
+def render(res: Results, out: str | Path, *, png: Path | None, reps: int = REPS) -> str:
+    """The report's markdown (links relative to the report's folder)."""
+    out = Path(out)
+    from rlseq.bench.memory import TASKS, variants as known_variants
+
+    grid = grid_of(res.manifest)
+    summary = summarize(res.runs, reps=reps)
+    tasks = _ordered(list(summary["task"].unique()) + [f["task"] for f in res.failures], [*TASKS, *grid["tasks"]])
+    variants = _ordered(list(summary["variant"].unique()) + [f["variant"] for f in res.failures],
+                        [*known_variants(), *grid["variants"]])
+    regenerate = f"python -m rlseq.bench memory --report-only --out {out.as_posix()}"
+    lines = ["# Memory benchmark on POPGym", "",
+             "Does each memory remember? Every variant trains with PPO on the same POPGym tasks, seeds and env-step "
+             "budget, then plays new episodes with its final weights. Written by "
+             f"`{regenerate}` from the per-run results in `{out.as_posix()}/{RESULTS}/`; do not edit by hand.", ""]
+    lines += _provenance(res, grid)
+    lines += _budget(res, grid, tasks)
+    lines += _returns_table(res, summary, tasks, variants, reps)
+    lines += _verdict_lines(summary, tasks, variants)
+    lines += _speed_table(res.runs, tasks, variants)
+    if png is not None:
+        rel = Path(os.path.relpath(png, report_path(out).parent)).as_posix()
+        lines += ["## Learning curves", "",
+                  "`rollout/ep_rew_mean` while training (sampled actions, the last 100 episodes), mean over seeds with "
+                  "a ±std band.", "", f"![learning curves]({rel})", ""]
+    lines += _problems(res)
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _provenance(res: Results, grid: dict[str, Any]) -> list[str]:
+    invocations = res.manifest.get("invocations", [])
+    lines = ["## How it was made", ""]
+    if invocations:
+        lines += ["| started | command | jobs | wall time | machine |", "|---|---|---:|---:|---|"]
+        for inv in invocations:
+            wall = _minutes(inv["wall_s"]) if inv.get("wall_s") is not None else "interrupted"
+            lines.append(f"| {inv['started']} | `{inv['command']}` | {inv['jobs']} | {wall} "
+                         f"| {inv['cpu']}, {inv['cores']} cores |")
+        total = sum(inv.get("wall_s") or 0.0 for inv in invocations)
+        lines += ["", f"Total wall time: {_minutes(total)} over {len(invocations)} invocation(s).", ""]
+    versions = sorted({json.dumps(r.get("versions", {})) for r in res.records})
+    for v in versions:
+        lines.append("Versions: " + ", ".join(f"{k} {x}" for k, x in json.loads(v).items()) + ".")
+    if len(versions) > 1:
+        lines.append("(the runs were made with several versions)")
+    lines.append("")
+    return lines
+
+
+def _budget(res: Results, grid: dict[str, Any], tasks: list[str]) -> list[str]:
+    steps = dict(grid["steps"])
+    for r in res.records:
+        steps.setdefault(r["task"], int(r["steps"]))
+    configs = sorted({json.dumps(r.get("config", {})) for r in res.records})
+    episodes = sorted({int(r["episodes"]) for r in res.records})
+    seeds = sorted({int(r["seed"]) for r in res.records})
+    lines = ["## Budget", "",
+             "Env steps per run, the same for every variant of a task:", "",
+             "| task | env steps |", "|---|---:|"]
+    lines += [f"| {short_task(t)} | {steps[t]:,} |" for t in tasks if t in steps]
+    lines.append("")
+    for c in configs:
+        lines.append("PPO: " + ", ".join(f"{k} {v}" for k, v in json.loads(c).items()) + ".")
+    lines += ["", f"Seeds {', '.join(map(str, seeds)) or 'none'}; each finished run is evaluated on "
+              f"{' / '.join(map(str, episodes)) or 'n/a'} new episodes (sampled actions, env seeds unlike training).",
+              ""]
+    return lines
+
+
+def _returns_table(res: Results, summary: pd.DataFrame, tasks: list[str], variants: list[str], reps: int) -> list[str]:
+    cells = {(r.task, r.variant): r for r in summary.itertuples()}
+    lines = ["## Final evaluation return", "",
+             f"IQM over seeds of each run's mean evaluation return, with its 95% percentile stratified-bootstrap CI "
+             f"(rliable, {reps} resamples; the IQM is the mean below 4 seeds). `random`: the mean return of "
+             "uniformly random actions (chance); `none`: the same network without memory (the memoryless "
+             "reference). Returns lie in [-1, 1].", "",
+             "| task | random | " + " | ".join(variants) + " |", "|---|---:|" + "---:|" * len(variants)]
+    for t in tasks:
+        rnd = res.random.get(t)
+        row = [short_task(t), _num(rnd["mean"]) if rnd else "n/a"]
+        row += [_cell(cells[t, v]) if (t, v) in cells else "–" for v in variants]
+        lines.append("| " + " | ".join(row) + " |")
+    return lines + [""]
+
+
+def _verdict_lines(summary: pd.DataFrame, tasks: list[str], variants: list[str]) -> list[str]:
+    verdict = verdicts(summary)
+    lines = ["## Per task", "",
+             "Read off the table: the variant with the highest IQM, the others whose CI overlaps its CI, and those "
+             "whose IQM is at or below the memoryless `none`.", ""]
+    for t in tasks:
+        if t not in verdict:
+            continue
+        v = verdict[t]
+        overlap = ", ".join(_ordered(v["overlap"], variants)) or "no other"
+        text = f"- **{short_task(t)}**: best {v['best']} ({_num(v['best_iqm'])}); CI overlaps the best: {overlap}"
+        if np.isfinite(v["none_iqm"]):
+            below = ", ".join(_ordered(v["at_or_below_none"], variants)) or "none of the others"
+            text += f"; at or below none ({_num(v['none_iqm'])}): {below}"
+        lines.append(text + ".")
+    return lines + [""]
+
+
+def _speed_table(runs: pd.DataFrame, tasks: list[str], variants: list[str]) -> list[str]:
+    per_task, overall = speeds(runs)
+    if overall.empty:
+        return []
+    cols = [v for v in variants if v in overall.index]
+    lines = ["## Training speed", "",
+             "Env-steps/s of training (env steps between the first and last logged rollout over the wall time between "
+             "them), median over runs; measured while the benchmark's other jobs ran beside it.", "",
+             "| task | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for t in tasks:
+        if t in per_task.index:
+            vals = per_task.loc[t]
+            lines.append(f"| {short_task(t)} | " + " | ".join(
+                f"{vals[v]:,.0f}" if v in vals and np.isfinite(vals[v]) else "–" for v in cols) + " |")
+    lines.append("| **all tasks** | " + " | ".join(f"**{overall[v]:,.0f}**" for v in cols) + " |")
+    return lines + [""]
+
+
+def _problems(res: Results) -> list[str]:
+    lines = []
+    if res.failures:
+        lines += ["## Failed runs", ""]
+        for f in sorted(res.failures, key=lambda f: f["name"]):
+            last = next((ln for ln in reversed(f.get("log_tail", [])) if ln.strip()), "")
+            lines.append(f"- {f['name']}: {f.get('reason', 'failed')}" + (f" — `{last.strip()}`" if last else ""))
+        lines.append("")
+    if res.missing:
+        lines += ["## Not run yet", "", ", ".join(res.missing), ""]
+    return lines
+
+
+def write_report(out: str | Path, *, reps: int = REPS) -> Path:
+    """Read ``out``'s results, write ``out/curves.png`` and the report ``<out>.md``; returns the report's path."""
+    from rlseq.checkpoint import write_text_atomic
+
+    out = Path(out)
+    res = load_results(out)
+    if res.runs.empty and not res.failures:
+        raise FileNotFoundError(f"no result under {out / RESULTS}: run the benchmark first "
+                                "(python -m rlseq.bench memory --out ...)")
+    png = plot(res.curves, out / CURVES_PNG)
+    path = report_path(out)
+    write_text_atomic(path, render(res, out, png=png, reps=reps))
+    return path

@@ -1,0 +1,231 @@
+"""``python -m rlseq.bench memory``: statistics and report on synthetic result files with known numbers, the
+grid and its skip / resume logic, a failed run's record, and one tiny POPGym slice end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from rlseq.bench import memory as M
+from rlseq.bench import memory_report as R
+from rlseq.bench.__main__ import main as bench_main
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+T1, T2 = "popgym-RepeatPreviousEasy-v0", "popgym-RepeatFirstEasy-v0"
+
+
+@pytest.fixture(autouse=True)
+def _children_import_rlseq(monkeypatch):
+    """Training processes and workers import rlseq from this checkout, whatever their working directory."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+
+def _runs(table: dict[tuple[str, str], list[float]]) -> pd.DataFrame:
+    rows = [{"task": t, "variant": v, "seed": s, "eval_mean": x, "env_steps_per_s": 100.0 * (s + 1)}
+            for (t, v), xs in table.items() for s, x in enumerate(xs)]
+    return pd.DataFrame(rows)
+
+
+# --- statistics ------------------------------------------------------------------------------------------
+
+
+def test_the_iqm_of_known_numbers_and_a_ci_that_contains_it():
+    s = R.summarize(_runs({(T1, "efla"): [0.1, 0.2, 0.3, 1.0], (T1, "gru"): [0.4, 0.5, 0.6], (T1, "none"): [0.7]}),
+                    reps=500).set_index("variant")
+    assert s.loc["efla", "iqm"] == pytest.approx(0.25)  # 4 seeds: the middle two, (0.2 + 0.3) / 2
+    assert s.loc["gru", "iqm"] == pytest.approx(0.5)    # below 4 seeds nothing is trimmed: the mean
+    for v in ("efla", "gru"):
+        assert s.loc[v, "ci_low"] <= s.loc[v, "iqm"] <= s.loc[v, "ci_high"]
+    assert 0.4 <= s.loc["gru", "ci_low"] and s.loc["gru", "ci_high"] <= 0.6
+    assert s.loc["none", "n"] == 1 and math.isnan(s.loc["none", "ci_low"]) and s.loc["none", "iqm"] == 0.7
+    again = R.summarize(_runs({(T1, "efla"): [0.1, 0.2, 0.3, 1.0]}), reps=500)
+    assert again["ci_low"].iloc[0] == s.loc["efla", "ci_low"]  # seeded: the same CI every time
+
+
+def test_the_verdicts_name_the_best_its_overlaps_and_what_is_at_or_below_none():
+    summary = pd.DataFrame([
+        {"task": T1, "variant": "efla", "n": 3, "iqm": 0.9, "ci_low": 0.8, "ci_high": 1.0},
+        {"task": T1, "variant": "gru", "n": 3, "iqm": 0.7, "ci_low": 0.5, "ci_high": 0.85},
+        {"task": T1, "variant": "lstm", "n": 3, "iqm": -0.3, "ci_low": -0.4, "ci_high": -0.2},
+        {"task": T1, "variant": "none", "n": 3, "iqm": -0.3, "ci_low": -0.35, "ci_high": -0.25},
+        {"task": T1, "variant": "sb3-lstm", "n": 1, "iqm": -0.5, "ci_low": math.nan, "ci_high": math.nan},
+    ])
+    v = R.verdicts(summary)[T1]
+    assert v["best"] == "efla" and v["overlap"] == ["gru"]
+    assert v["none_iqm"] == -0.3 and v["at_or_below_none"] == ["lstm", "sb3-lstm"]
+
+
+def test_speeds_are_medians_over_runs():
+    per_task, overall = R.speeds(_runs({(T1, "efla"): [0, 0, 0], (T2, "efla"): [0], (T1, "none"): [0, 0]}))
+    assert per_task.loc[T1, "efla"] == 200.0 and per_task.loc[T2, "efla"] == 100.0
+    assert overall["efla"] == 150.0 and overall["none"] == 150.0
+
+
+# --- the report from result files ------------------------------------------------------------------------
+
+
+def _result(out: Path, task: str, variant: str, seed: int, mean: float, steps: int = 1000) -> None:
+    paths = R.run_paths(out, task, variant, seed)
+    paths["result"].parent.mkdir(parents=True, exist_ok=True)
+    doc = {"name": f"{task}/{variant}/seed{seed}", "task": task, "variant": variant, "seed": seed, "steps": steps,
+           "episodes": 8, "eval_mean": mean, "eval_std": 0.1, "env_steps_per_s": 1000.0 + seed, "train_wall_s": 5.0,
+           "eval_wall_s": 1.0, "config": {"algo": "rlseq", "n_envs": 4},
+           "versions": {"python": "3.x", "torch": "2.x", "rlseq": "abc"}}
+    paths["result"].write_text(json.dumps(doc))
+    steps_axis = np.arange(0, steps + 1, 250)
+    pd.DataFrame({"step": steps_axis, "ep_rew_mean": mean * steps_axis / steps}).to_csv(paths["curve"], index=False)
+
+
+def _synthetic(out: Path) -> None:
+    """T1: efla 0.8/0.9, none -0.5/-0.4, sb3-lstm 0.1/0.2; T2: efla seed 1 never ran, sb3-lstm seed 1 failed."""
+    grid = {"tasks": [T1, T2], "variants": ["efla", "none", "sb3-lstm"], "seeds": [0, 1], "steps": {T1: 1000, T2: 1000},
+            "episodes": 8}
+    out.mkdir(parents=True)
+    (out / R.MANIFEST).write_text(json.dumps({"invocations": [
+        {"command": "python -m rlseq.bench memory --quick", "started": "2030-01-01 00:00", "jobs": 2, "cpu": "CPU X",
+         "cores": 2, "wall_s": 600.0, "runs": 12, "grid": grid}]}))
+    for seed in (0, 1):
+        for variant, base in (("efla", 0.8), ("none", -0.5), ("sb3-lstm", 0.1)):
+            _result(out, T1, variant, seed, base + 0.1 * seed)
+    for variant in ("efla", "none", "sb3-lstm"):
+        _result(out, T2, variant, 0, 0.5)
+    _result(out, T2, "none", 1, 0.5)
+    failed = R.run_paths(out, T2, "sb3-lstm", 1)["failed"]
+    failed.write_text(json.dumps({"name": f"{T2}/sb3-lstm/seed1", "task": T2, "variant": "sb3-lstm", "seed": 1,
+                                  "reason": "training exited with code 1", "log_tail": ["Traceback", "ValueError: nan"]}))
+    R.random_path(out, T1).write_text(json.dumps({"task": T1, "mean": -0.5, "episodes": 8}))
+
+
+def test_the_report_from_synthetic_result_files(tmp_path):
+    out = tmp_path / "memory_benchmark"
+    _synthetic(out)
+    path = R.write_report(out)
+    assert path == tmp_path / "memory_benchmark.md"
+    text = path.read_text()
+    assert (out / R.CURVES_PNG).read_bytes()[:8] == PNG_MAGIC
+    assert "![learning curves](memory_benchmark/curves.png)" in text
+    assert "| task | random | efla | none | sb3-lstm |" in text
+    assert "| RepeatPreviousEasy | -0.50 | 0.85 [0.80, 0.90] | -0.45 [-0.50, -0.40] | 0.15 [0.10, 0.20] |" in text
+    assert "| RepeatFirstEasy | n/a | 0.50 (n=1) | 0.50 [0.50, 0.50] | 0.50 (n=1) |" in text
+    assert "- **RepeatPreviousEasy**: best efla (0.85); CI overlaps the best: no other; at or below none (-0.45): " \
+           "none of the others." in text
+    assert "- **RepeatFirstEasy**: best efla (0.50); CI overlaps the best: none, sb3-lstm; at or below none " \
+           "(0.50): efla, sb3-lstm." in text
+    assert f"- {T2}/sb3-lstm/seed1: training exited with code 1 — `ValueError: nan`" in text
+    assert "## Not run yet" in text and f"{T2}/efla/seed1" in text
+    assert "| RepeatPreviousEasy | 1,000 | 1,000 | 1,000 |" in text  # speeds: median of 1000 and 1001
+    assert "python -m rlseq.bench memory --quick" in text and "Total wall time: 10.0 min" in text
+    assert "Versions: python 3.x, torch 2.x, rlseq abc." in text
+    # the command line regenerates the same report from the files alone
+    path.unlink()
+    bench_main(["memory", "--report-only", "--out", str(out)])
+    assert path.read_text().replace(str(out), "OUT") == text.replace(str(out), "OUT")
+
+
+def test_report_only_without_results_says_what_to_run(tmp_path):
+    with pytest.raises(SystemExit, match="run the benchmark first"):
+        bench_main(["memory", "--report-only", "--out", str(tmp_path / "empty")])
+
+
+# --- the grid, skip and resume ---------------------------------------------------------------------------
+
+
+def test_the_grid_is_seed_major_and_trains_the_anchor_with_sb3_contrib():
+    assert M.variants()[-1] == "sb3-lstm" and {"efla", "deltanet", "gru", "lstm", "none"} <= set(M.variants())
+    runs = M.build_grid([T1, T2], ["efla", "sb3-lstm"], [0, 1], {T1: 100, T2: 200})
+    assert [(r.seed, r.task, r.variant) for r in runs] == [
+        (s, t, v) for s in (0, 1) for t in (T1, T2) for v in ("efla", "sb3-lstm")]
+    anchor = runs[1]
+    assert anchor.folder("logs") == Path("logs") / T1 / "sb3-lstm" / "seed0"
+    argv = anchor.train_argv("logs", device="cpu", extra=["--n-envs", "4"])
+    assert argv[:6] == ["--env", T1, "--memory", "lstm", "--algo", "sb3-recurrent-ppo"]
+    assert argv[-4:] == ["--n-envs", "4", "--resume", "--no-progress-bar"]
+    assert runs[2].steps == 200 and runs[0].folder("logs") == Path("logs") / T1 / "efla" / "seed0"
+    # every argv is one the training CLI takes
+    from rlseq.train import build_parser, resolve
+
+    cfg = resolve(build_parser().parse_args(argv))
+    assert cfg["algo"] == "sb3-recurrent-ppo" and cfg["n_timesteps"] == 100 and cfg["n_envs"] == 4
+
+
+def test_quick_fills_what_the_flags_leave_open():
+    parser = __import__("argparse").ArgumentParser()
+    M.add_arguments(parser)
+    g = M.resolve_grid(parser.parse_args(["--quick", "--seeds", "7"]))
+    assert g["tasks"] == list(M.QUICK["tasks"]) and g["variants"] == list(M.QUICK["variants"]) and g["seeds"] == [7]
+    assert set(g["steps"].values()) == {M.QUICK["steps"]} and g["out"] == Path(M.QUICK_OUT)
+    full = M.resolve_grid(parser.parse_args(["--jobs", "3", "--out", "x/bench"]))
+    assert full["tasks"] == list(M.TASKS) and full["variants"] == M.variants() and full["seeds"] == list(M.SEEDS)
+    assert full["steps"][T1] == M.TASK_STEPS.get(T1, M.DEFAULT_STEPS) and full["logdir"] == Path("runs/bench")
+    with pytest.raises(SystemExit, match="unknown variant"):
+        M.resolve_grid(parser.parse_args(["--variants", "transformer"]))
+
+
+def test_finished_runs_are_skipped_and_interrupted_ones_resume(tmp_path, capsys):
+    out, logdir = tmp_path / "out", tmp_path / "runs"
+    done, trained, partial, fresh = M.build_grid([T1], ["efla", "gru", "none", "sb3-lstm"], [0], {T1: 1000})
+    _result(out, T1, "efla", 0, 0.5)
+    (trained.folder(logdir)).mkdir(parents=True)
+    (trained.folder(logdir) / "final_model.zip").write_bytes(b"")
+    ckpt = partial.folder(logdir) / "checkpoints"
+    (ckpt / "step400").mkdir(parents=True)
+    (ckpt / "step400" / "model.zip").write_bytes(b"")
+    (ckpt / "latest").write_text("step400\n")
+    assert M.is_done(done, out) and not M.is_done(trained, out)
+    assert [M.trained_steps(r, logdir) for r in (trained, partial, fresh)] == [1000, 400, 0]
+    assert M.budget_conflicts([done, trained, partial, fresh], out, logdir) == []
+    bench_main(["memory", "--dry-run", "--tasks", T1, "--variants", "efla", "gru", "none", "sb3-lstm", "--seeds", "0",
+                "--steps", "1000", "--out", str(out), "--logdir", str(logdir)])
+    states = [line.split("python")[0].strip() for line in capsys.readouterr().out.splitlines() if "rlseq.train" in line]
+    assert states == ["done", "at 1,000 steps", "at 400 steps", "at 0 steps"]
+    # another budget is refused instead of mixed into a task
+    (partial.folder(logdir) / "config.yaml").write_text("n_timesteps: 2000\n")
+    other = M.build_grid([T1], ["efla", "gru", "none"], [0], {T1: 500})
+    conflicts = M.budget_conflicts(other, out, logdir)
+    assert len(conflicts) == 2 and "1,000 steps" in conflicts[0] and "2,000 steps" in conflicts[1]
+
+
+def test_a_failed_training_is_recorded_with_the_end_of_its_log(tmp_path):
+    out, logdir = tmp_path / "out", tmp_path / "runs"
+    run = M.BenchRun(T1, "none", 0, 64)
+    spec = {"name": run.name, "task": T1, "variant": "none", "seed": 0, "steps": 64, "folder": str(run.folder(logdir)),
+            "argv": run.train_argv(logdir, device="cpu", extra=["--n-minibatches", "3"]),  # 8 envs: refused
+            "paths": {k: str(v) for k, v in R.run_paths(out, T1, "none", 0).items()}, "episodes": 8, "device": "cpu",
+            "versions": {}}
+    answer = M.run_one(spec)
+    assert answer["state"] == "failed" and answer["reason"] == "training exited with code 2"
+    assert any("--n-minibatches 3 must divide" in line for line in answer["log_tail"])
+    res = R.load_results(out)
+    assert [f["name"] for f in res.failures] == [run.name] and res.runs.empty
+
+
+# --- end to end ------------------------------------------------------------------------------------------
+
+
+def test_a_tiny_slice_end_to_end(tmp_path, capsys):
+    out, logdir = tmp_path / "bench", tmp_path / "runs"
+    argv = ["memory", "--tasks", T1, "--variants", "none", "efla", "--seeds", "0", "--steps", "512", "--n-envs", "4",
+            "--n-steps", "32", "--n-minibatches", "2", "--episodes", "8", "--jobs", "2", "--out", str(out),
+            "--logdir", str(logdir)]
+    bench_main(argv)
+    for variant in ("none", "efla"):
+        doc = json.loads(R.run_paths(out, T1, variant, 0)["result"].read_text())
+        assert doc["episodes"] == 8 and -1.0 <= doc["eval_mean"] <= 1.0 and doc["env_steps_per_s"] > 0
+        assert doc["config"]["n_envs"] == 4 and doc["versions"]["popgym"]
+        curve = pd.read_csv(R.run_paths(out, T1, variant, 0)["curve"])
+        assert list(curve.columns) == ["step", "ep_rew_mean"] and curve["step"].max() == 512
+    text = (tmp_path / "bench.md").read_text()
+    assert "| RepeatPreviousEasy |" in text and "| task | random | efla | none |" in text
+    assert (out / R.CURVES_PNG).exists() and json.loads(R.random_path(out, T1).read_text())["episodes"] == 8
+    # the same command again: everything is done, nothing runs and no invocation is added
+    capsys.readouterr()
+    bench_main(argv)
+    assert "2 done already, 0 to run" in capsys.readouterr().out
+    assert len(R.read_manifest(out)["invocations"]) == 1
