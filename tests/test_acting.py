@@ -101,7 +101,7 @@ def test_non_finite_outputs_are_reported_with_where():
 def test_non_finite_memory_state_is_blamed_on_the_memory():
     policy, rng = _policy("efla"), np.random.default_rng(5)
     state = policy.initial_state(4)
-    state[2, 1, 0, 0] = float("inf")
+    state[2, 5] = float("inf")
     with pytest.raises(FloatingPointError, match=r"non-finite efla memory state at here: batch indices \[2\]"):
         ActingStep(policy).step(_obs(IMAGE, 4, rng), np.zeros(4, bool), state, where="here")
 

@@ -45,6 +45,7 @@ TOL = 1e-5
 SMALL = {
     "efla": dict(n_heads=2, head_dim=8, d_model=16),
     "deltanet": dict(n_heads=2, head_dim=8, d_model=16),
+    "gru": dict(hidden_size=16),
     "lstm": dict(hidden_size=16),
     "none": {},
 }
@@ -123,7 +124,8 @@ def test_packed_state_round_trip(name, kw):
 def test_recurrent_ppo_sizes_buffers_from_the_packed_state():
     model = RecurrentPPO(EflaMlpPolicy, _cue_env(2), n_steps=8, batch_size=8, policy_kwargs=dict(memory_kwargs=SMALL["efla"]))
     assert isinstance(model.policy.memory_actor, EFLAMemory) and isinstance(model.policy.memory_critic, EFLAMemory)
-    n = 2 * 8 * 8
+    (n,) = model.policy.memory_actor.state_shape  # the 2 x 8 x 8 matrix and the convolution window
+    assert n == 2 * 8 * 8 + 3 * 2 * (8 + 8 + 8)
     assert model.rollout_buffer.hidden_state_shape == (8, 1, 2, n // 2)
     assert model._last_lstm_states.pi[0].shape == (1, 2, n // 2)
     # no LSTM anywhere in the policy: the matrix memory replaces it
@@ -259,7 +261,7 @@ def test_cnn_policies_on_procgen(policy):
     model.learn(16)
     obs = env.reset()
     actions, state = model.predict(obs, deterministic=True)
-    assert actions.shape == (2,) and state[0].shape == (1, 2, 2 * 16 * 16 // 2)
+    assert actions.shape == (2,) and state[0].shape == (1, 2, (2 * 16 * 16 + 3 * 2 * 48) // 2)  # matrix + window
     env.close()
 
 

@@ -9,7 +9,7 @@ variant after the other instead). For rlseq's MemoryPPO one more rollout is then
 on (it synchronises the device at each phase boundary) to give the breakdown. Ratios are taken against
 ``rlseq-none`` with the same ``+`` options, and against plain ``sb3-lstm``, when those are in the call.
 
-Variants: ``rlseq-none``, ``rlseq-efla``, ``rlseq-deltanet``, ``rlseq-lstm`` (MemoryPPO), ``sb3-lstm``
+Variants: ``rlseq-none``, ``rlseq-efla``, ``rlseq-deltanet``, ``rlseq-gru``, ``rlseq-lstm`` (MemoryPPO), ``sb3-lstm``
 (stock sb3-contrib RecurrentPPO with ``CnnLstmPolicy``) and ``sb3-ppo`` (stock SB3 PPO with ``CnnPolicy``).
 ``sb3-lstm`` and ``sb3-ppo`` use SB3's default NatureCNN, as a user's stock script would; the rlseq variants
 and ``sb3-lstm-impala`` (RecurrentPPO with the same IMPALA CNN and a 256-unit LSTM, the like-for-like
@@ -41,7 +41,7 @@ import torch
 
 from rlseq.bench.timing import describe_environment
 
-VARIANTS = ("rlseq-none", "rlseq-efla", "rlseq-deltanet", "rlseq-lstm", "sb3-lstm", "sb3-lstm-impala", "sb3-ppo")
+VARIANTS = ("rlseq-none", "rlseq-efla", "rlseq-deltanet", "rlseq-gru", "rlseq-lstm", "sb3-lstm", "sb3-lstm-impala", "sb3-ppo")
 # per-variant settings: VARIANT+OPTION[+OPTION...]
 OPTIONS = ("bf16", "fused", "tf32", "graph", "tgraph", "nhwc", "groups2")
 # train_step: a minibatch update replayed from a CUDA graph (tgraph), in place of train_forward/backward/optimizer

@@ -109,7 +109,12 @@ class ValueNormalizer(nn.Module):
         """Fold the value targets ``returns`` (any shape) into the statistics and rescale the head in place (the
         parameters keep their addresses, as a captured CUDA graph needs)."""
         r = returns.detach().double().flatten()
-        self.moments.mul_(self.decay).add_((1 - self.decay) * torch.stack([r.mean(), r.square().mean()]))
+        # non-finite targets are left out (no host sync): the PPO loss reports where they are, with the statistics
+        # of the good ones intact
+        finite = torch.isfinite(r)
+        r = torch.where(finite, r, 0.0)
+        n = finite.sum().clamp_min(1)
+        self.moments.mul_(self.decay).add_((1 - self.decay) * torch.stack([r.sum() / n, r.square().sum() / n]))
         self.count.add_(1)
         m1, m2 = self.moments / (1 - self.decay ** self.count)
         new_mean = m1.float()

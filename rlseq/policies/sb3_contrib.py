@@ -299,16 +299,9 @@ def _one_of(new: str, new_value: bool | None, old: str, old_value: bool | None, 
     return bool(old_value) if old_value is not None else default
 
 
-# Vector observations: the memory would otherwise be as narrow as the observation (its out_features equals its
-# in_features); give the delta-rule block a width of its own.
-_MLP_DEFAULTS: dict[str, dict[str, Any]] = {"efla": {"d_model": 64}, "deltanet": {"d_model": 64}}
-
-
 class MemoryMlpPolicy(MemoryActorCriticPolicy):
-    """Vector observations (SB3's ``FlattenExtractor``); choose the memory with ``memory=...``. EFLA/DeltaNet
-    blocks default to ``d_model = 64`` (an input projection from the observation)."""
-
-    default_memory_kwargs = _MLP_DEFAULTS
+    """Vector observations (SB3's ``FlattenExtractor``); choose the memory with ``memory=...`` (the block's input
+    projection gives it its own width, ``d_model``, whatever the observation's)."""
 
 
 class MemoryCnnPolicy(MemoryActorCriticPolicy):
