@@ -1,9 +1,13 @@
 """``python -m rlseq.evaluate RUN_DIR --episodes N``: mean and std of the unscaled game return.
 
-Levels: if the run trained on ``num_levels = n > 0`` levels starting at ``start_level = s``, evaluation uses
-the held-out levels from ``s + n`` on. A run on the full distribution (``num_levels = 0``, the default) has no
-held-out set; evaluation then draws fresh level seeds from ``--start-level`` (default 2**30, far from the
+Procgen levels: if the run trained on ``num_levels = n > 0`` levels starting at ``start_level = s``, evaluation
+uses the held-out levels from ``s + n`` on. A run on the full distribution (``num_levels = 0``, the default) has
+no held-out set; evaluation then draws fresh level seeds from ``--start-level`` (default 2**30, far from the
 seeds a run meets in practice).
+
+Gymnasium envs: evaluation env ``i`` is seeded ``2**20 + seed + i`` (``seed`` is ``--seed``), while training env
+``i`` of a run with seed ``s`` was seeded ``s + i``: disjoint seeds (hence new episode draws) for every training
+seed and env count below 2**20. ``--start-level`` is procgen's only.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import yaml
+
+#: Offset of the evaluation seeds of gymnasium envs from ``--seed`` (training seeds lie below it).
+EVAL_SEED_OFFSET = 2**20
 
 
 def find_model(run_dir: Path) -> Path:
@@ -30,10 +37,12 @@ def find_model(run_dir: Path) -> Path:
 
 def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: bool = False, seed: int = 12345,
              start_level: int | None = None, device: str = "auto", progress: bool = True) -> dict[str, float]:
-    """Play ``episodes`` episodes on held-out levels; returns mean/std/min/max of the unscaled return."""
+    """Play ``episodes`` episodes on held-out levels (procgen) or new env seeds (gymnasium envs, from
+    ``EVAL_SEED_OFFSET + seed``); returns mean/std/min/max of the unscaled return, and ``start_level`` (procgen)
+    or ``first_seed`` (gymnasium)."""
     from tqdm.auto import tqdm
 
-    from rlseq.train import _algo_class, make_env
+    from rlseq.train import _algo_class, _family, make_env
 
     if episodes < 1:
         raise ValueError(f"--episodes must be >= 1, got {episodes}")
@@ -41,10 +50,17 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
     if not cfg_path.exists():
         raise FileNotFoundError(f"{cfg_path} not found: RUN_DIR must be a run folder written by rlseq.train")
     cfg = yaml.safe_load(cfg_path.read_text())
-    env_kwargs = dict(cfg.get("env_kwargs", {}))
-    n_train, s_train = int(env_kwargs.get("num_levels", 0)), int(env_kwargs.get("start_level", 0))
-    env_kwargs["start_level"] = start_level if start_level is not None else (s_train + n_train if n_train else 2**30)
-    env_kwargs["num_levels"] = 0
+    env_kwargs = dict(cfg.get("env_kwargs") or {})
+    if _family(cfg) == "procgen":
+        n_train, s_train = int(env_kwargs.get("num_levels", 0)), int(env_kwargs.get("start_level", 0))
+        env_kwargs["start_level"] = start_level if start_level is not None else (s_train + n_train if n_train else 2**30)
+        env_kwargs["num_levels"] = 0
+        where = {"start_level": env_kwargs["start_level"]}
+    elif start_level is not None:
+        raise ValueError(f"--start-level is a procgen option; {cfg['env']} is evaluated on new env seeds (--seed)")
+    else:
+        seed += EVAL_SEED_OFFSET
+        where = {"first_seed": seed}
     venv = make_env({**cfg, "env_kwargs": env_kwargs, "n_envs": n_envs}, seed=seed, training=False)
     model = _algo_class(cfg).load(find_model(run_dir), device=device)
     obs = venv.reset()
@@ -65,7 +81,7 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
     venv.close()
     r = np.asarray(returns)
     return {"episodes": len(r), "mean": float(r.mean()), "std": float(r.std(ddof=1)) if len(r) > 1 else float("nan"),
-            "min": float(r.min()), "max": float(r.max()), "start_level": env_kwargs["start_level"]}
+            "min": float(r.min()), "max": float(r.max()), **where}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -76,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-envs", type=int, default=16)
     p.add_argument("--deterministic", action="store_true", help="greedy actions (default: sample, as in training)")
     p.add_argument("--seed", type=int, default=12345)
-    p.add_argument("--start-level", type=int, default=None)
+    p.add_argument("--start-level", type=int, default=None, help="procgen runs: first level seed")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
     try:
@@ -85,8 +101,9 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    where = f"levels from {res['start_level']}" if "start_level" in res else f"env seeds from {res['first_seed']}"
     print(f"{args.run_dir}: return {res['mean']:.3f} ± {res['std']:.3f} (std over {res['episodes']} episodes; "
-          f"min {res['min']:.3f}, max {res['max']:.3f}; levels from {res['start_level']})")
+          f"min {res['min']:.3f}, max {res['max']:.3f}; {where})")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,9 @@ def _flag_argv(flags: dict[str, Any], known: set[str]) -> list[str]:
         elif value is False:
             if "--no-" + key.replace("_", "-") in known:
                 argv.append("--no-" + key.replace("_", "-"))
+        elif isinstance(value, list):  # a repeatable flag, e.g. env_package: [a, b]
+            for item in value:
+                argv += [opt, str(item)]
         elif value is not None:
             argv += [opt, str(value)]
     return argv

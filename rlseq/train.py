@@ -1,16 +1,25 @@
-"""``python -m rlseq.train``: train a memory agent on a procgen game and log it for TensorBoard.
+"""``python -m rlseq.train``: train a memory agent on a procgen game or any gymnasium env and log it for TensorBoard.
 
     python -m rlseq.train --env caveflyer --memory efla
+    python -m rlseq.train --env popgym-RepeatPreviousEasy-v0 --memory efla     # any registered gymnasium id
+    python -m rlseq.train --env MyEnv-v0 --env-package my_envs                 # ids that a module registers
     python -m rlseq.train --env caveflyer --memory deltanet --seed 1 --total-steps 5_000_000
     python -m rlseq.train --env caveflyer --memory lstm --algo sb3-recurrent-ppo
     python -m rlseq.train --env caveflyer --memory efla --fast    # GPU: bf16 CNN, fused Adam, channels-last, TF32
     python -m rlseq.train --env caveflyer --memory efla --fast --no-channels-last   # a flag given wins over --fast
     python -m rlseq.train --env caveflyer --memory efla --fused-adam --no-cuda-graph-train   # eager training
 
-Runs land in ``<logdir>/<env>/<variant>/seed<N>/`` (``variant`` = memory, ``sb3-`` prefixed for the
-sb3-contrib algorithm, ``-<tag>`` appended), so ``tensorboard --logdir runs/caveflyer`` shows the memories
-side by side under identical tags. Each run folder holds ``config.yaml`` (the resolved hyperparameters),
-TensorBoard event files, ``checkpoints/`` and, when finished, ``final_model.zip``.
+``--env`` is a procgen game (``caveflyer``, ``procgen:caveflyer``) or a registered gymnasium id, looked up after
+importing the ``--env-package`` modules (``popgym-...`` ids import popgym by themselves); see
+:func:`rlseq.envs.resolve_env_id`. Hyperparameters come from the env family's RL Zoo-style file, keyed by env
+(a default entry for the rest): ``configs/procgen.yml`` (default ``procgen``), ``configs/popgym.yml``
+(``popgym``) or ``configs/gym.yml`` (``gym``, every other gymnasium id); ``--config FILE`` replaces it.
+
+Runs land in ``<logdir>/<env>/<variant>/seed<N>/`` (``env`` the id with ``/`` as ``_``, e.g. ``ALE_Pong-v5``;
+``variant`` = memory, ``sb3-`` prefixed for the sb3-contrib algorithm, ``-<tag>`` appended), so
+``tensorboard --logdir runs/caveflyer`` shows the memories side by side under identical tags. Each run folder
+holds ``config.yaml`` (the resolved hyperparameters), TensorBoard event files, ``checkpoints/`` and, when
+finished, ``final_model.zip``.
 """
 
 from __future__ import annotations
@@ -23,9 +32,13 @@ from typing import Any
 
 import yaml
 
-MEMORIES = ("efla", "deltanet", "lstm", "none")
 ALGOS = ("rlseq", "sb3-recurrent-ppo")
-DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "procgen.yml"
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "procgen.yml"
+# env family -> its config file; the file's entry named like the family is the default of its envs
+FAMILY_CONFIGS = {"procgen": DEFAULT_CONFIG, "popgym": CONFIG_DIR / "popgym.yml", "gym": CONFIG_DIR / "gym.yml"}
+# flags (and env_kwargs keys) that only procgen takes
+PROCGEN_OPTIONS = ("distribution_mode", "num_levels", "start_level", "num_threads")
 # flag name -> config key, for the flags that override hyperparameters
 FLAG_TO_KEY = {
     "total_steps": "n_timesteps", "n_envs": "n_envs", "n_steps": "n_steps", "n_minibatches": "n_minibatches",
@@ -46,11 +59,31 @@ class UsageError(ValueError):
     """A bad flag or name, reported before any env or model is built."""
 
 
+def memories() -> tuple[str, ...]:
+    """The memory names ``--memory`` takes (:data:`rlseq.policies.memory.MEMORIES`; imports torch)."""
+    from rlseq.policies.memory import MEMORIES
+
+    return tuple(MEMORIES)
+
+
+class _MemoryNames:
+    """Formats as the names of :func:`memories`, so that the import happens only when ``--help`` prints."""
+
+    def __str__(self) -> str:
+        return ", ".join(memories())
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlseq.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--env", default="caveflyer", help="procgen game, e.g. caveflyer or procgen:caveflyer")
-    p.add_argument("--memory", default="efla", help=f"one of {', '.join(MEMORIES)}")
+    p.add_argument("--env", default="caveflyer",
+                   help="procgen game (caveflyer, procgen:caveflyer) or registered gymnasium id "
+                        "(popgym-RepeatPreviousEasy-v0, CartPole-v1, PACKAGE:ID)")
+    p.add_argument("--env-package", action="append", default=None, metavar="PACKAGE",
+                   help="import PACKAGE before looking --env up, for the ids it registers (repeatable; popgym-... "
+                        "ids import popgym by themselves)")
+    memory = p.add_argument("--memory", default="efla", help="one of %(memories)s")
+    memory.memories = _MemoryNames()  # what %(memories)s prints: looked up only when --help formats it
     p.add_argument("--algo", default="rlseq", help=f"one of {', '.join(ALGOS)} (rlseq: whole-rollout training, the fast path)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--total-steps", type=float, default=None, help="env steps to train for (config: n_timesteps)")
@@ -59,10 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-minibatches", type=int, default=None)
     p.add_argument("--n-epochs", type=int, default=None)
     p.add_argument("--learning-rate", type=float, default=None)
-    p.add_argument("--distribution-mode", default=None, help="easy, hard, memory, ... (valid modes depend on the game)")
-    p.add_argument("--num-levels", type=int, default=None)
-    p.add_argument("--start-level", type=int, default=None)
-    p.add_argument("--num-threads", type=int, default=None, help="procgen worker threads")
+    p.add_argument("--distribution-mode", default=None,
+                   help="procgen only: easy, hard, memory, ... (valid modes depend on the game)")
+    p.add_argument("--num-levels", type=int, default=None, help="procgen only")
+    p.add_argument("--start-level", type=int, default=None, help="procgen only")
+    p.add_argument("--num-threads", type=int, default=None, help="procgen only: worker threads")
     p.add_argument("--reward-scale", type=float, default=None, help="multiply rewards (ScaleReward)")
     p.add_argument("--value-shift", "--value-scale", dest="value_shift", type=float, default=None,
                    help="shift value targets by this much without changing the task (PotentialValueShift)")
@@ -103,7 +137,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "acting of the others (G must divide --n-envs; --algo rlseq; config: env_groups; default 1)")
     p.add_argument("--logdir", default="runs")
     p.add_argument("--tag", default=None, help="suffix of the run's variant folder, e.g. reward1e3")
-    p.add_argument("--config", default=None, help=f"RL Zoo-style YAML file (default: {DEFAULT_CONFIG.name} of the repo)")
+    p.add_argument("--config", default=None,
+                   help="RL Zoo-style YAML file keyed by env, with a default entry named procgen, popgym or gym "
+                        "(default: configs/procgen.yml, configs/popgym.yml or configs/gym.yml of the repo, by --env)")
     p.add_argument("--checkpoint-every", type=float, default=None, help="env steps between atomic checkpoints")
     p.add_argument("--resume", action="store_true", help="continue the run folder from its latest checkpoint")
     p.add_argument("--no-progress-bar", action="store_true")
@@ -111,51 +147,63 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_config(path: Path, env: str) -> dict[str, Any]:
-    """The hyperparameters of ``env`` from an RL Zoo-style file (its own key, else the ``procgen`` default)."""
+def load_config(path: Path, env: str, family: str = "procgen") -> dict[str, Any]:
+    """The hyperparameters of ``env`` from an RL Zoo-style file (its own key, else the default entry named like
+    its ``family``: ``procgen``, ``popgym`` or ``gym``)."""
     if not path.exists():
         raise UsageError(f"config file {path} does not exist")
     with open(path) as f:
         table = yaml.safe_load(f) or {}
     if env in table:
         return copy.deepcopy(table[env])
-    if "procgen" in table:
-        return copy.deepcopy(table["procgen"])
-    raise UsageError(f"{path} has no entry for {env!r} and no 'procgen' default; entries: {', '.join(table)}")
+    if family in table:
+        return copy.deepcopy(table[family])
+    raise UsageError(f"{path} has no entry for {env!r} and no {family!r} default; "
+                     f"entries: {', '.join(map(str, table))}")
 
 
 def resolve(args: argparse.Namespace) -> dict[str, Any]:
     """Validate names and merge config file + flags into one resolved config. Builds nothing."""
-    from rlseq.envs import PROCGEN_DISTRIBUTION_MODES, normalize_procgen_name
+    from rlseq.envs import PROCGEN_DISTRIBUTION_MODES, resolve_env_id
 
-    if args.memory not in MEMORIES:
-        raise UsageError(f"unknown memory {args.memory!r}; valid memories: {', '.join(MEMORIES)}")
+    if args.memory not in memories():
+        raise UsageError(f"unknown memory {args.memory!r}; valid memories: {', '.join(memories())}")
     if args.algo not in ALGOS:
         raise UsageError(f"unknown algo {args.algo!r}; valid algos: {', '.join(ALGOS)}")
     if args.algo == "sb3-recurrent-ppo" and args.memory == "none":
-        raise UsageError("--algo sb3-recurrent-ppo needs a recurrent memory (efla, deltanet, lstm); "
+        raise UsageError("--algo sb3-recurrent-ppo needs a recurrent memory "
+                         f"({', '.join(m for m in memories() if m != 'none')}); "
                          "use --algo rlseq --memory none for the memoryless control")
     try:
-        env = normalize_procgen_name(args.env)
+        env_id = resolve_env_id(args.env, getattr(args, "env_package", None) or ())
     except ValueError as e:
         raise UsageError(str(e)) from None
+    env, family = env_id.id, env_id.family
+    procgen_flags = ["--" + key.replace("_", "-") for key in PROCGEN_OPTIONS if getattr(args, key, None) is not None]
+    if family != "procgen" and procgen_flags:
+        raise UsageError(f"{', '.join(procgen_flags)}: procgen options, and {env} is a gymnasium env (its own "
+                         "options go to gymnasium.make as env_kwargs in a --config file)")
     if getattr(args, "fast", False) and args.algo != "rlseq":
         raise UsageError("--fast needs --algo rlseq (its bf16 CNN and channels-last are MemoryPPO's; sb3-contrib's "
                          "RecurrentPPO has no autocast): give --fused-adam --tf32 instead")
-    cfg = load_config(Path(args.config) if args.config else DEFAULT_CONFIG, env)
+    cfg = load_config(Path(args.config) if args.config else FAMILY_CONFIGS[family], env, family)
     for flag, key in FLAG_TO_KEY.items():
         value, _ = asked(args, flag)
         if value is not None:
             cfg[key] = value
     for key in ("n_timesteps", "checkpoint_every", "n_envs", "n_steps", "n_minibatches", "n_epochs"):
         cfg[key] = int(cfg[key])
-    env_kwargs = cfg.setdefault("env_kwargs", {})
-    for key in ("distribution_mode", "num_levels", "start_level", "num_threads"):
-        if getattr(args, key) is not None:
-            env_kwargs[key] = getattr(args, key)
-    mode = env_kwargs.get("distribution_mode", "easy")
-    if mode not in PROCGEN_DISTRIBUTION_MODES[env]:
-        raise UsageError(f"distribution mode {mode!r} is not valid for {env}; valid: {', '.join(PROCGEN_DISTRIBUTION_MODES[env])}")
+    env_kwargs = cfg["env_kwargs"] = dict(cfg.get("env_kwargs") or {})
+    if family == "procgen":
+        for key in PROCGEN_OPTIONS:
+            if getattr(args, key) is not None:
+                env_kwargs[key] = getattr(args, key)
+        mode = env_kwargs.get("distribution_mode", "easy")
+        if mode not in PROCGEN_DISTRIBUTION_MODES[env]:
+            raise UsageError(f"distribution mode {mode!r} is not valid for {env}; valid: {', '.join(PROCGEN_DISTRIBUTION_MODES[env])}")
+    elif set(PROCGEN_OPTIONS) & set(env_kwargs):
+        raise UsageError(f"env_kwargs {', '.join(sorted(set(PROCGEN_OPTIONS) & set(env_kwargs)))} of the config are "
+                         f"procgen options; {env} is a gymnasium env and gets env_kwargs through gymnasium.make")
     if cfg["n_envs"] < 1 or cfg["n_steps"] < 1 or cfg["n_timesteps"] < 1:
         raise UsageError("--n-envs, --n-steps and --total-steps must be >= 1")
     if cfg["n_envs"] % cfg["n_minibatches"]:
@@ -197,8 +245,8 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     if not args.resume:  # on --resume the checkpoint's fused_adam holds: checked once it is known
         _check_cuda_graph_train(args, cfg)
     memory_kwargs = cfg.pop("memory_kwargs", {}) or {}
-    cfg.update(env=env, memory=args.memory, algo=args.algo, seed=args.seed, tag=args.tag,
-               memory_kwargs=dict(memory_kwargs.get(args.memory, {}) or {}))
+    cfg.update(env=env, env_family=family, env_packages=list(env_id.packages), memory=args.memory, algo=args.algo,
+               seed=args.seed, tag=args.tag, memory_kwargs=dict(memory_kwargs.get(args.memory, {}) or {}))
     return cfg
 
 
@@ -237,36 +285,65 @@ def _check_cuda_graph_train(args: argparse.Namespace, cfg: dict[str, Any]) -> No
                          "inside the graph)")
 
 
+def env_folder(env: str) -> str:
+    """The env id as one folder name: ``ALE/Pong-v5`` -> ``ALE_Pong-v5``."""
+    return env.replace("/", "_").replace("\\", "_")
+
+
 def run_dir(logdir: str | Path, cfg: dict[str, Any]) -> Path:
     variant = cfg["memory"] if cfg["algo"] == "rlseq" else f"sb3-{cfg['memory']}"
     if cfg.get("tag"):
         variant += f"-{cfg['tag']}"
-    return Path(logdir) / cfg["env"] / variant / f"seed{cfg['seed']}"
+    return Path(logdir) / env_folder(cfg["env"]) / variant / f"seed{cfg['seed']}"
+
+
+def _family(cfg: dict[str, Any]) -> str:
+    from rlseq.envs import env_family
+
+    return cfg.get("env_family") or env_family(cfg["env"])  # configs saved before families were recorded
 
 
 def make_env(cfg: dict[str, Any], *, seed: int, n_envs: int | None = None, training: bool = True):
-    """procgen → ScaleReward → PotentialValueShift → PrevActionReward → VecNormalize (rewards only).
+    """procgen (or a gymnasium env: :func:`rlseq.envs.make_gym`, env ``i`` seeded ``seed + i``) → ScaleReward →
+    PotentialValueShift → PrevActionReward → VecNormalize (rewards only).
 
     With ``env_groups: G > 1`` (training only; evaluation steps one stack), ``G`` such stacks of ``n_envs / G``
     envs, seeded ``seed + g * n_envs / G``, in a :class:`~rlseq.envs.VecEnvGroups` whose VecNormalize wrappers
     share one reward statistic.
     """
+    from gymnasium import spaces
     from stable_baselines3.common.vec_env import VecNormalize
 
-    from rlseq.envs import PotentialValueShift, PrevActionReward, ScaleReward, VecEnvGroups, make_procgen
+    from rlseq.envs import (
+        PotentialValueShift,
+        PrevActionReward,
+        ScaleReward,
+        VecEnvGroups,
+        make_gym,
+        make_procgen,
+        resolve_env_id,
+    )
 
     n_envs = n_envs or cfg["n_envs"]
     n_groups = int(cfg.get("env_groups", 1)) if training else 1
     if n_groups > 1:
         stack = {**cfg, "env_groups": 1}
         return VecEnvGroups.build(lambda n, s: make_env(stack, seed=s, n_envs=n), n_envs, n_groups, seed=seed)
-    venv = make_procgen(cfg["env"], n_envs, seed=seed, **cfg.get("env_kwargs", {}))
+    procgen = _family(cfg) == "procgen"
+    if procgen:
+        venv = make_procgen(cfg["env"], n_envs, seed=seed, **cfg.get("env_kwargs", {}))
+    else:
+        resolve_env_id(cfg["env"], cfg.get("env_packages") or ())  # imports what registers the id
+        venv = make_gym(cfg["env"], n_envs, seed=seed, env_kwargs=cfg.get("env_kwargs"))
     if cfg.get("reward_scale", 1.0) != 1.0:
         venv = ScaleReward(venv, cfg["reward_scale"])
     if cfg.get("value_shift", 0.0):
         venv = PotentialValueShift(venv, cfg["value_shift"], gamma=cfg["gamma"])
     if cfg.get("prev_action_reward"):
-        venv = PrevActionReward(venv)
+        if not isinstance(venv.action_space, spaces.Discrete):
+            venv.close()
+            raise UsageError(f"--prev-action-reward needs a Discrete action space; {cfg['env']} has {venv.action_space}")
+        venv = PrevActionReward(venv, image_key="image" if procgen else "obs")
     if cfg.get("normalize_reward") and training:
         venv = VecNormalize(venv, norm_obs=False, norm_reward=True, gamma=cfg["gamma"])
     return venv
@@ -279,14 +356,41 @@ def ppo_kwargs(cfg: dict[str, Any], device: str) -> dict[str, Any]:
                 max_grad_norm=cfg["max_grad_norm"], seed=cfg["seed"], device=device)
 
 
+def observation_kind(space) -> tuple[str, bool]:
+    """``("image" | "vector" | "dict", has_image)`` of an observation space: which policy family reads it."""
+    from gymnasium import spaces
+    from stable_baselines3.common.preprocessing import is_image_space
+
+    if isinstance(space, spaces.Dict):
+        return "dict", any(is_image_space(sub, check_channels=False) for sub in space.spaces.values())
+    image = is_image_space(space, check_channels=False)
+    return ("image" if image else "vector"), image
+
+
+def _has_multidiscrete(space) -> bool:
+    from gymnasium import spaces
+
+    if isinstance(space, spaces.Dict):
+        return any(isinstance(sub, spaces.MultiDiscrete) for sub in space.spaces.values())
+    return isinstance(space, spaces.MultiDiscrete)
+
+
 def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | None = None):
-    """The algorithm and policy named by the config."""
+    """The algorithm and policy named by the config, for ``env``'s observation space.
+
+    ``--algo rlseq``: MemoryPPO with ``CnnPolicy`` / ``MlpPolicy`` / ``MultiInputPolicy`` (images, vectors, Dict).
+    ``sb3-recurrent-ppo``: the LSTM is sb3-contrib's own ``CnnLstmPolicy`` / ``MultiInputLstmPolicy`` over the
+    IMPALA CNN where the observation holds an image (hidden size 256 unless ``memory_kwargs`` sets
+    ``hidden_size``), and the stock ``MlpLstmPolicy`` / ``MultiInputLstmPolicy`` otherwise (sb3-contrib's default
+    size unless set; SB3's extractor with an int width for ``MultiDiscrete`` observations); other memories are
+    the rlseq drop-in policies (``EflaMlpPolicy``, ..., ``Memory*Policy`` with ``memory=`` for the rest).
+    """
     common = dict(ppo_kwargs(cfg, device), verbose=cfg.get("verbose", 0), tensorboard_log=tensorboard_log)
     policy_kwargs = dict(cfg.get("policy_kwargs") or {})
     if cfg.get("fused_adam"):
         # explicit optimizer_kwargs replace SB3's Adam default {eps: 1e-5}: keep that eps unless the config set one
         policy_kwargs["optimizer_kwargs"] = {"eps": 1e-5, **(policy_kwargs.get("optimizer_kwargs") or {}), "fused": True}
-    dict_obs = bool(cfg.get("prev_action_reward"))
+    kind, has_image = observation_kind(env.observation_space)
     if cfg["algo"] == "rlseq":
         from rlseq.algos import MemoryPPO
 
@@ -295,22 +399,38 @@ def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | No
             policy_kwargs.update(amp_dtype=cfg["amp"])
         if cfg.get("channels_last"):
             policy_kwargs.update(channels_last=True)
-        return MemoryPPO("MultiInputPolicy" if dict_obs else "CnnPolicy", env, n_minibatches=cfg["n_minibatches"],
-                         policy_kwargs=policy_kwargs, cuda_graph=cfg.get("cuda_graph", True),
+        policy = {"image": "CnnPolicy", "vector": "MlpPolicy", "dict": "MultiInputPolicy"}[kind]
+        return MemoryPPO(policy, env, n_minibatches=cfg["n_minibatches"], policy_kwargs=policy_kwargs,
+                         cuda_graph=cfg.get("cuda_graph", True),
                          cuda_graph_train=cuda_graph_train_arg(cfg.get("cuda_graph_train", "auto")), **common)
     from sb3_contrib import RecurrentPPO
 
     import rlseq.policies as P
 
     batch_size = cfg["n_envs"] * cfg["n_steps"] // cfg["n_minibatches"]
+    suffix = {"image": "Cnn", "vector": "Mlp", "dict": "MultiInput"}[kind]
     if cfg["memory"] == "lstm":
-        policy = "MultiInputLstmPolicy" if dict_obs else "CnnLstmPolicy"
-        policy_kwargs.update(lstm_hidden_size=cfg["memory_kwargs"].get("hidden_size", 256),
-                             features_extractor_class=P.ImpalaCombinedExtractor if dict_obs else P.ImpalaCNN)
+        policy = f"{suffix}LstmPolicy"
+        hidden_size = cfg["memory_kwargs"].get("hidden_size")
+        if has_image:
+            policy_kwargs.update(lstm_hidden_size=hidden_size or 256,
+                                 features_extractor_class=P.ImpalaCombinedExtractor if kind == "dict" else P.ImpalaCNN)
+        else:
+            if _has_multidiscrete(env.observation_space):
+                from rlseq.envs import CombinedExtractor, FlattenExtractor
+
+                # SB3's own extractors with an int width: SB3 sizes MultiDiscrete inputs as a NumPy integer,
+                # which nn.LSTM refuses
+                policy_kwargs.setdefault("features_extractor_class",
+                                         CombinedExtractor if kind == "dict" else FlattenExtractor)
+            if hidden_size is not None:
+                policy_kwargs.update(lstm_hidden_size=hidden_size)
     else:
-        name = {"efla": "Efla", "deltanet": "DeltaNet"}[cfg["memory"]] + ("MultiInputPolicy" if dict_obs else "CnnPolicy")
-        policy = getattr(P, name)
+        named = {"efla": "Efla", "deltanet": "DeltaNet"}.get(cfg["memory"])
+        policy = getattr(P, f"{named or 'Memory'}{suffix}Policy")
         policy_kwargs.update(memory_kwargs=cfg["memory_kwargs"])
+        if named is None:
+            policy_kwargs.update(memory=cfg["memory"])
     if not policy_kwargs.get("net_arch"):
         policy_kwargs.pop("net_arch", None)  # sb3-contrib's policies keep their own default heads
     return RecurrentPPO(policy, env, batch_size=batch_size, policy_kwargs=policy_kwargs, **common)

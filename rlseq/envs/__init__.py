@@ -1,10 +1,14 @@
-"""Environments for rlseq: procgen as a native SB3 VecEnv, and scale wrappers.
+"""Environments for rlseq: procgen as a native SB3 VecEnv, any gymnasium env, and scale wrappers.
 
 * :func:`make_procgen` / :class:`ProcgenVecEnv`: procgen's natively
   vectorised env as an SB3 ``VecEnv`` (uint8 64x64x3 images, Discrete(15)),
   with Monitor-style ``info["episode"]`` statistics.
 * :data:`PROCGEN_GAMES`, :data:`PROCGEN_DISTRIBUTION_MODES`: the 16 games and
   the distribution modes each one supports.
+* :func:`make_gym`: any registered gymnasium id as an SB3 ``DummyVecEnv``
+  (``Monitor`` statistics, ``Tuple`` observations adapted by
+  :class:`SB3Observation`); :func:`resolve_env_id` maps ``--env`` to a
+  procgen game or a gymnasium id (importing the packages that register it).
 * :class:`ScaleReward`: rewards x scale.
 * :class:`PotentialValueShift`: value targets + shift, same optimal policy.
 * :class:`PrevActionReward`: Dict observation with previous action/reward.
@@ -30,6 +34,16 @@ _EXPORTS = {
     "PROCGEN_GAMES": "procgen",
     "PROCGEN_DISTRIBUTION_MODES": "procgen",
     "normalize_procgen_name": "procgen",
+    "EnvId": "gym",
+    "FlattenExtractor": "gym",
+    "CombinedExtractor": "gym",
+    "SB3Observation": "gym",
+    "adapt_observation": "gym",
+    "env_family": "gym",
+    "import_env_packages": "gym",
+    "make_gym": "gym",
+    "resolve_env_id": "gym",
+    "suggest_env_ids": "gym",
     "ScaleReward": "wrappers",
     "PotentialValueShift": "wrappers",
     "PrevActionReward": "wrappers",
@@ -48,6 +62,18 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         normalize_procgen_name,
     )
     from .groups import VecEnvGroups
+    from .gym import (
+        CombinedExtractor,
+        EnvId,
+        FlattenExtractor,
+        SB3Observation,
+        adapt_observation,
+        env_family,
+        import_env_packages,
+        make_gym,
+        resolve_env_id,
+        suggest_env_ids,
+    )
     from .wrappers import PotentialValueShift, PrevActionReward, ScaledReturnLogger, ScaleReward
 
 
