@@ -99,7 +99,8 @@ def _synthetic(out: Path) -> None:
     _result(out, T2, "none", 1, 0.5)
     failed = R.run_paths(out, T2, "sb3-lstm", 1)["failed"]
     failed.write_text(json.dumps({"name": f"{T2}/sb3-lstm/seed1", "task": T2, "variant": "sb3-lstm", "seed": 1,
-                                  "reason": "training exited with code 1", "log_tail": ["Traceback", "ValueError: nan"]}))
+                                  "reason": "training exited with code 1",
+                                  "log_tail": ["Traceback", "ValueError: nan"]}))
     R.random_path(out, T1).write_text(json.dumps({"task": T1, "mean": -0.5, "episodes": 8}))
 
 
@@ -115,7 +116,7 @@ def test_the_report_from_synthetic_result_files(tmp_path):
     assert "| RepeatPreviousEasy | -0.50 | 0.85 [0.80, 0.90] | -0.45 [-0.50, -0.40] | 0.15 [0.10, 0.20] |" in text
     assert "| RepeatFirstEasy | n/a | 0.50 (n=1) | 0.50 [0.50, 0.50] | 0.50 (n=1) |" in text
     assert "- **RepeatPreviousEasy**: best efla (0.85); CI overlaps the best: no other; at or below none (-0.45): " \
-           "none of the others." in text
+           "no variant." in text
     assert "- **RepeatFirstEasy**: best efla (0.50); CI overlaps the best: none, sb3-lstm; at or below none " \
            "(0.50): efla, sb3-lstm." in text
     assert f"- {T2}/sb3-lstm/seed1: training exited with code 1 — `ValueError: nan`" in text

@@ -8,7 +8,7 @@ Layout of an output folder OUT (written by :mod:`rlseq.bench.memory`; small enou
     OUT/results/<task>/<variant>/seed<S>.csv           its training curve: step, ep_rew_mean
     OUT/results/<task>/<variant>/seed<S>.failed.json   a run that failed, with the end of its log
     OUT/curves.png                                     the learning curves, written with the report
-    OUT.md                                             the report (OUT = docs/memory_benchmark: docs/memory_benchmark.md)
+    OUT.md                                             the report (docs/memory_benchmark -> docs/memory_benchmark.md)
 
 Statistics: per task and variant the IQM of the seeds' final evaluation returns with a 95% percentile
 stratified-bootstrap CI (rliable, through :func:`rlseq.compare._bootstrap_ci`); env-steps/s as the median
@@ -126,8 +126,9 @@ def load_results(out: str | Path) -> Results:
             if curve.exists():
                 c = pd.read_csv(curve)
                 if not c.empty:
-                    curves.append(pd.DataFrame({"task": doc["task"], "variant": doc["variant"], "seed": int(doc["seed"]),
-                                                "step": c["step"].astype("int64"), "value": c["ep_rew_mean"]}))
+                    curves.append(pd.DataFrame({"task": doc["task"], "variant": doc["variant"],
+                                                "seed": int(doc["seed"]), "step": c["step"].astype("int64"),
+                                                "value": c["ep_rew_mean"]}))
     runs = pd.DataFrame([{k: r.get(k, math.nan) for k in RUN_COLUMNS} for r in records], columns=RUN_COLUMNS)
     runs["seed"] = runs["seed"].astype("int64")
     cells = grid_of(manifest)["cells"]
@@ -324,7 +325,7 @@ def _verdict_lines(summary: pd.DataFrame, tasks: list[str], variants: list[str])
         overlap = ", ".join(_ordered(v["overlap"], variants)) or "no other"
         text = f"- **{short_task(t)}**: best {v['best']} ({_num(v['best_iqm'])}); CI overlaps the best: {overlap}"
         if np.isfinite(v["none_iqm"]):
-            below = ", ".join(_ordered(v["at_or_below_none"], variants)) or "none of the others"
+            below = ", ".join(_ordered(v["at_or_below_none"], variants)) or "no variant"
             text += f"; at or below none ({_num(v['none_iqm'])}): {below}"
         lines.append(text + ".")
     return lines + [""]
