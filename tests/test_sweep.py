@@ -103,7 +103,7 @@ def test_only_filters_select_a_subset_and_reject_unknown_names(capsys):
     "overrides,message",
     [
         ({"memory": ["efla"]}, r"unknown keys memory; valid keys: "),
-        ({"memories": ["efla", "transformer"]}, "unknown memory 'transformer'; valid memories: efla, deltanet, lstm, none"),
+        ({"memories": ["efla", "transformer"]}, "unknown memory 'transformer'; valid memories: efla, deltanet, gru, lstm, none"),
         ({"flags": {"total_steps": 32, "learning_rat": 1e-3}}, "unknown train flag 'learning_rat'; flags of python -m rlseq.train: .*learning_rate"),
         ({"flags": {"tf33": False}}, "unknown train flag 'tf33'"),  # a false on/off flag is checked too
         ({"flags": {"seed": 3}}, "flag 'seed' is set by the sweep"),
