@@ -317,3 +317,19 @@ def test_sweep_runs_gym_ids_with_env_packages(env_package, tmp_path):
     assert [r.folder for r in runs] == [tmp_path / "rlseqtest_Sweep-v0" / "efla-base" / "seed0",
                                         tmp_path / "popgym-RepeatPreviousEasy-v0" / "efla-base" / "seed0"]
     assert runs[0].argv[-6:] == ["--env-package", module, "--env-package", "popgym", "--total-steps", "64"]
+
+
+@pytest.mark.parametrize(("n_envs", "minibatches"), [(1, 1), (3, 3), (6, 3), (8, 4), (7, 1)])
+def test_memoryppo_default_minibatching_works_for_any_env_count(n_envs, minibatches):
+    """No n_minibatches given: the largest divisor of n_envs up to 4, so a user's MemoryPPO("MlpPolicy", env) runs
+    at any env count (one rollout and one update here)."""
+    import popgym  # noqa: F401  (registers the ids)
+
+    from rlseq.algos import MemoryPPO
+
+    env = make_gym("popgym-RepeatPreviousEasy-v0", n_envs, seed=0)
+    model = MemoryPPO("MlpPolicy", env, n_steps=8, n_epochs=1, seed=0)
+    assert model.n_minibatches == minibatches
+    model.learn(8 * n_envs)
+    assert model.num_timesteps == 8 * n_envs
+    env.close()

@@ -40,7 +40,10 @@ class MemoryPPO(PPO):
 
     Same arguments as SB3's :class:`~stable_baselines3.PPO`, except that minibatches are counted in
     environments: ``n_minibatches`` splits the ``n_envs`` sequences of a rollout (``n_envs`` must be
-    divisible by it); ``batch_size`` is derived (``n_envs * n_steps // n_minibatches`` samples).
+    divisible by it; the default None takes the largest divisor of ``n_envs`` up to 4, so any env count
+    works); ``batch_size`` is derived (``n_envs * n_steps // n_minibatches`` samples). The defaults
+    (``n_steps=128``, ``n_epochs=4``, ``gamma=0.99``, lr 5e-4, entropy 0.01) suit small vector tasks such as
+    POPGym's; Procgen's (256 steps, 8 minibatches, 3 epochs, gamma 0.999) live in ``configs/procgen.yml``.
     The policy's memory is chosen with ``policy_kwargs=dict(memory="efla" | "deltanet" | "lstm" | "none",
     memory_kwargs=...)``; policy names ``"CnnPolicy"``, ``"MlpPolicy"`` and ``"MultiInputPolicy"`` all
     map to :class:`MemoryPPOPolicy`, which picks its features extractor from the observation space.
@@ -88,10 +91,10 @@ class MemoryPPO(PPO):
         policy: str | type[MemoryPPOPolicy],
         env: GymEnv | str,
         learning_rate: float | Schedule = 5e-4,
-        n_steps: int = 256,
-        n_minibatches: int = 8,
-        n_epochs: int = 3,
-        gamma: float = 0.999,
+        n_steps: int = 128,
+        n_minibatches: int | None = None,
+        n_epochs: int = 4,
+        gamma: float = 0.99,
         gae_lambda: float = 0.95,
         clip_range: float | Schedule = 0.2,
         clip_range_vf: float | Schedule | None = None,
@@ -134,6 +137,9 @@ class MemoryPPO(PPO):
             self._setup_model()
 
     def _setup_model(self) -> None:
+        if self.n_minibatches is None:
+            # whole sequences per minibatch: up to 4 minibatches, as many as divide the env count evenly
+            self.n_minibatches = max(d for d in range(1, min(4, self.n_envs) + 1) if self.n_envs % d == 0)
         if self.n_minibatches < 1 or self.n_envs % self.n_minibatches != 0:
             raise ValueError(
                 f"n_minibatches={self.n_minibatches} must divide n_envs={self.n_envs}: a minibatch is a subset of "
