@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graph-train", action=argparse.BooleanOptionalAction, default=None,
                    help="replay each PPO minibatch update (forward, loss, backward, clipping, Adam step) from a CUDA "
                         "graph: same computation, one launch per minibatch instead of hundreds; needs --fused-adam, "
-                        "not for --memory lstm (config: cuda_graph_train; default auto: on wherever it can be used, "
+                        "not for --memory gru or lstm (config: cuda_graph_train; default auto: on wherever it can be used, "
                         "i.e. on a GPU with fused Adam, eager otherwise; --no-cuda-graph-train: always eager)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory layout for the CNN (cuDNN's tensor-core layout, mostly with --amp bf16; "

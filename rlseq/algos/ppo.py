@@ -44,7 +44,7 @@ class MemoryPPO(PPO):
     works); ``batch_size`` is derived (``n_envs * n_steps // n_minibatches`` samples). The defaults
     (``n_steps=128``, ``n_epochs=4``, ``gamma=0.99``, lr 5e-4, entropy 0.01) suit small vector tasks such as
     POPGym's; Procgen's (256 steps, 8 minibatches, 3 epochs, gamma 0.999) live in ``configs/procgen.yml``.
-    The policy's memory is chosen with ``policy_kwargs=dict(memory="efla" | "deltanet" | "lstm" | "none",
+    The policy's memory is chosen with ``policy_kwargs=dict(memory="efla" | "deltanet" | "gru" | "lstm" | "none",
     memory_kwargs=...)``; policy names ``"CnnPolicy"``, ``"MlpPolicy"`` and ``"MultiInputPolicy"`` all
     map to :class:`MemoryPPOPolicy`, which picks its features extractor from the observation space.
 
@@ -390,7 +390,8 @@ class MemoryPPO(PPO):
             values_pred = values
         else:
             _, vf_low, vf_high = clip_bounds(clip_range_vf, 0.0)
-            values_pred = old_values + torch.clamp(values - old_values, vf_low, vf_high)
+            unit = self.policy.value_std()  # the clip range is in units of the normalised head
+            values_pred = old_values + torch.clamp(values - old_values, vf_low * unit, vf_high * unit)
         # divided by σ² of the value normaliser: the normalised head's loss, O(1) at any return scale
         value_loss = F.mse_loss(returns, values_pred) / self.policy.value_scale()
         entropy_loss = -torch.mean(-log_prob) if entropy is None else -torch.mean(entropy)

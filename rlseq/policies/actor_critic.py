@@ -1,7 +1,7 @@
 """The actor-critic that rlseq's own PPO trains: features → memory → policy and value heads.
 
 One network, shared by actor and critic as in the Procgen paper's IMPALA agent. Only the memory differs
-between `efla`, `deltanet`, `lstm` and `none`, so comparisons isolate the memory.
+between `efla`, `deltanet`, `gru`, `lstm` and `none`, so comparisons isolate the memory.
 """
 
 from __future__ import annotations
@@ -34,6 +34,13 @@ def default_features_extractor(observation_space: spaces.Space) -> type[BaseFeat
 
         return ImpalaCNN
     return FlattenExtractor
+
+
+def _has_image(space: spaces.Space) -> bool:
+    """Whether an observation space is, or holds, an image (the IMPALA CNN's output then feeds the heads directly)."""
+    if isinstance(space, spaces.Dict):
+        return any(_has_image(sub) for sub in space.spaces.values())
+    return is_image_space(space, check_channels=False)
 
 
 def _mlp(in_dim: int, sizes: list[int], activation: type[nn.Module]) -> tuple[nn.Module, int]:
@@ -135,7 +142,8 @@ class MemoryPPOPolicy(BasePolicy):
         ``VecTransposeImage``; ``Dict`` spaces go through the image+vector extractor).
     :param action_space: any action space SB3's distributions support.
     :param lr_schedule: learning-rate schedule (SB3 convention).
-    :param memory: ``"efla"``, ``"deltanet"``, ``"lstm"`` or ``"none"``.
+    :param memory: one of :data:`~rlseq.policies.memory.MEMORIES` (``"efla"``, ``"deltanet"``, ``"gru"``,
+        ``"lstm"``, ``"none"``).
     :param memory_kwargs: passed to the memory class (e.g. ``n_heads``, ``head_dim``).
     :param net_arch: hidden layer sizes of the MLP between the memory and both heads (shared). None (default):
         ``[64, 64]`` for vector observations (the memory block's output is a normalised embedding, and a
@@ -197,8 +205,7 @@ class MemoryPPOPolicy(BasePolicy):
         )
         self.memory_name = memory
         self.memory_kwargs = dict(memory_kwargs or {})
-        self.net_arch = list(net_arch) if net_arch is not None else \
-            ([64, 64] if self.features_extractor_class is FlattenExtractor else [])
+        self.net_arch = list(net_arch) if net_arch is not None else ([] if _has_image(observation_space) else [64, 64])
         self.activation_fn = activation_fn
         self.ortho_init = ortho_init
         self.amp_dtype = parse_amp_dtype(amp_dtype)
@@ -277,6 +284,10 @@ class MemoryPPOPolicy(BasePolicy):
         """The scale by which the value loss is divided (σ² of :class:`ValueNormalizer`, 1 without it): the loss
         of the normalised head, whose gradient is O(1) whatever the return scale."""
         return 1.0 if self.value_normalizer is None else self.value_normalizer.std.square()
+
+    def value_std(self) -> torch.Tensor | float:
+        """σ of :class:`ValueNormalizer` (1 without it): the unit of the normalised head, e.g. for value clipping."""
+        return 1.0 if self.value_normalizer is None else self.value_normalizer.std
 
     def _heads(self, memory_out: torch.Tensor) -> tuple[Distribution, torch.Tensor]:
         mean_actions, values = self._head_outputs(memory_out)

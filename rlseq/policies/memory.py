@@ -297,7 +297,7 @@ class _DeltaRuleMemory(Memory):
 
     @torch.no_grad()
     def diagnostics(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """``key_norm_mean/max``: norms of the keys the rule takes (EFLA's raw keys; DeltaNet's unit keys) over all
+        """``key_norm_mean/max``: raw key norms (after the convolution, before DeltaNet's normalisation) over all
         (b, t, head); ``gate_mean`` / ``gate_saturated_frac``: the gate ``1 - eigenvalue`` of each step's transition
         and the fraction above 0.99; ``state_norm_mean/max``: Frobenius norm per (batch, head) of the FINAL matrix
         state reached after the sequence (per-step states would cost a K-fold larger computation)."""
@@ -305,12 +305,14 @@ class _DeltaRuleMemory(Memory):
         resets = _check_resets(resets, (B, T), x.device)
         h = self.in_proj(x)
         matrix, window = self.state_parts(state)
-        q, k, v, beta, _ = self._sequence_inputs(h, window, resets)
+        qkv, _ = self.conv(self.qkv(h), window, resets)
+        q, k, v, beta = self._heads(qkv, h)
         # 1 − (the transition's non-unit eigenvalue), from the rule's single definition in rlseq.kernels
         _, gate, _ = unit_key_scales(k.float(), beta.float(), self.rule)
         _, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=matrix, resets=resets,
                               backend=self.backend, chunk_size=self.chunk_size)
-        knorm = k.float().norm(dim=-1)
+        k_raw = qkv.split(self._split, dim=-1)[1].reshape(*qkv.shape[:-1], self.n_heads, self.head_dim)
+        knorm = k_raw.float().norm(dim=-1)
         snorm = final.flatten(2).norm(dim=-1)
         return {
             "key_norm_mean": knorm.mean(),
@@ -344,7 +346,7 @@ class EFLAMemory(_DeltaRuleMemory):
 
         q, k, v = silu(conv_W(W_qkv h))          (causal depthwise conv of width W over time, per channel)
         β       = sigmoid(w_β · h + b_β)         (per head, ∈ (0, 1))
-        S_t     = EFLA(S_{t-1}; k, v, β)          (exact rank-1 ODE step, docs/rules.md)
+        S_t     = EFLA(S_{t-1}; k, v, β)          (exact rank-1 ODE step, rlseq/kernels/rules.py)
         o       = S_tᵀ q̂                         (q̂ = q/‖q‖ when query_norm, else q)
         y       = LayerNorm(h + W_o [o_1 … o_H])
 
@@ -587,4 +589,6 @@ def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:
     try:
         return cls(in_features, **memory_kwargs)
     except TypeError as e:
+        if "unexpected keyword argument" not in str(e):
+            raise
         raise TypeError(f"{cls.__name__}: {e} (memory_kwargs {sorted(memory_kwargs)})") from None

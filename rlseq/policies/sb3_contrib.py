@@ -13,7 +13,7 @@ How the memory fits into RecurrentPPO:
 
 - **State packing.** RecurrentPPO keeps LSTM-shaped ``(h, c)`` pairs ``[num_layers, n_envs, hidden_size]`` for
   actor and critic, sized from ``policy.lstm_actor.num_layers / hidden_size``. A memory state of ``n`` floats per
-  env (EFLA ``H·K·V``) is flattened and split in two halves: the first half in the h slot, the second in the
+  env (EFLA ``H·K·V`` plus the convolution window) is flattened and split in two halves: the first half in the h slot, the second in the
   c slot (``num_layers = 1``, ``hidden_size = ceil(n / 2)``), so both slots carry state and none is wasted.
 - **Training is one kernel call per minibatch.** ``_process_sequence`` (a Python loop over time steps in
   sb3-contrib whenever a minibatch contains an episode start) is overridden: the minibatch's padded sequences
@@ -115,8 +115,8 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
     Data flow as in ``RecurrentActorCriticPolicy``: ``obs → features_extractor → memory → mlp_extractor →
     action / value heads``.
 
-    :param memory: ``"efla"``, ``"deltanet"``, ``"lstm"`` or ``"none"`` (subclasses fix a default).
-    :param memory_kwargs: for the memory class (``n_heads``, ``head_dim``, ``value_dim``, ``d_model``,
+    :param memory: one of ``"efla"``, ``"deltanet"``, ``"gru"``, ``"lstm"``, ``"none"`` (subclasses fix a default).
+    :param memory_kwargs: for the memory class (``d_model``, ``n_heads``, ``head_dim``, ``value_dim``, ``conv_size``,
         ``query_norm``, ``backend``, ``allow_negative_eigenvalues``, ``hidden_size``...), merged over the class's
         defaults.
     :param shared_memory: actor and critic share one memory; the critic reads its output detached (only the
@@ -125,18 +125,18 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
     :param enable_critic_memory: the critic has its own memory (default, as in sb3-contrib). With both options
         off the critic is feed-forward (a linear map of the features). Same as ``enable_critic_lstm``.
     :param lstm_hidden_size, n_lstm_layers, lstm_kwargs: accepted so that ``policy_kwargs`` written for the LSTM
-        policies keep working: for ``memory="lstm"`` they set the LSTM; for EFLA/DeltaNet ``lstm_hidden_size``
-        sets the block width ``d_model`` (the output size, like an LSTM's hidden size) unless ``memory_kwargs``
-        does; ``n_lstm_layers > 1`` and ``lstm_kwargs`` are not supported there (error / warning).
+        policies keep working: for ``memory="lstm"`` or ``"gru"`` they set the RNN inside the block (its output
+        width stays ``d_model``); for EFLA/DeltaNet ``lstm_hidden_size`` sets the block width ``d_model`` (the
+        output size), and with it the default head size ``d_model / 4``, unless ``memory_kwargs`` does;
+        ``n_lstm_layers > 1`` and ``lstm_kwargs`` are not supported there (error / warning).
 
     All other arguments are ``RecurrentActorCriticPolicy``'s.
 
     **Buffer memory cost in RecurrentPPO.** ``RecurrentRolloutBuffer`` stores the actor's AND the critic's state
     (h and c) for EVERY step of every env, as float32 NumPy arrays, whether the critic has a memory or not:
-    ``2 · n`` floats per env-step for a state of ``n`` floats. EFLA/DeltaNet defaults (4 heads × 32 × 32,
-    n = 4096): 32 KiB per env-step, i.e. 512 MiB for 64 envs × 256 steps, and ``get()`` makes a flattened copy
-    of the same size again (an LSTM of 256: 2 KiB per env-step). Smaller heads cut it quadratically
-    (``head_dim=16``: 4×). rlseq's own PPO (``rlseq.algos.MemoryPPO``, the rollout-batch algorithm of the
+    ``2 · n`` floats per env-step for a state of ``n`` floats. EFLA/DeltaNet defaults (4 heads × 32 × 32 and the
+    convolution window, n = 5,248): 41 KiB per env-step, i.e. 656 MiB for 64 envs × 256 steps, and ``get()`` makes
+    a flattened copy of the same size again (the default LSTM, hidden 80: 1.3 KiB per env-step). rlseq's own PPO (``rlseq.algos.MemoryPPO``, the rollout-batch algorithm of the
     training issue) stores ONE state per env per rollout and trains on whole rollouts; prefer it for
     large runs.
     """
@@ -227,7 +227,7 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
     ) -> dict[str, Any]:
         kw = dict(cls.default_memory_kwargs.get(name, {}))
         legacy: dict[str, Any] = {}
-        if name == "lstm":
+        if name in ("lstm", "gru"):
             if lstm_hidden_size is not None:
                 legacy["hidden_size"] = lstm_hidden_size
             if n_lstm_layers is not None:
