@@ -235,7 +235,8 @@ def _write_status(path: Path, spec_name: str, runs: list[Run]) -> None:
     write_text_atomic(path, json.dumps({"sweep": spec_name, "time": time.time(), "runs": [row(r) for r in runs]}, indent=1))
 
 
-def _tail(path: Path, n: int = 15) -> list[str]:
+def log_tail(path: Path, n: int = 15) -> list[str]:
+    """The last ``n`` lines of a log file (none if it cannot be read)."""
     try:
         return path.read_text(errors="replace").splitlines()[-n:]
     except OSError:
@@ -317,7 +318,7 @@ def execute(runs: list[Run], slots: list[str | None], *, status_path: Path, spec
                 run, slot = active.pop(proc)
                 run.returncode, run.seconds = proc.returncode, time.time() - run.started
                 run.state = "done" if proc.returncode == 0 else "stopped" if proc in signalled else "failed"
-                run.log_tail = _tail(run.folder / "train.log") if run.state == "failed" else []
+                run.log_tail = log_tail(run.folder / "train.log") if run.state == "failed" else []
                 free.append(slot)
                 print(f"{run.state:6} {run.name}  rc={proc.returncode}  {run.seconds / 60:.1f} min  "
                       f"steps={run_progress(run):,}", flush=True)

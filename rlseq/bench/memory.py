@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlseq.sweep import log_tail
 from rlseq.bench.memory_report import (MANIFEST, random_path, read_manifest, report_path, run_paths, short_task,
                                        write_report)
 
@@ -178,7 +179,9 @@ def chance_level(task: str, episodes: int, seed: int = 0) -> dict[str, Any]:
     import gymnasium as gym
     import numpy as np
 
-    _register_popgym()
+    from rlseq.envs.gym import resolve_env_id
+
+    resolve_env_id(task)  # imports what registers the id
     env = gym.make(task)
     env.action_space.seed(seed)
     returns = []
@@ -195,19 +198,15 @@ def chance_level(task: str, episodes: int, seed: int = 0) -> dict[str, Any]:
             "mean": float(r.mean()), "std": float(r.std(ddof=1)) if len(r) > 1 else float("nan")}
 
 
-def _register_popgym() -> None:
-    import popgym  # noqa: F401  (registers the popgym-* ids with gymnasium)
-
-
 def check_tasks(tasks: list[str]) -> None:
-    import gymnasium as gym
+    """Refuse unknown ids before anything runs, with the closest registered ids (the train CLI's resolution)."""
+    from rlseq.envs.gym import resolve_env_id
 
-    _register_popgym()
-    unknown = [t for t in tasks if t not in gym.registry]
-    if unknown:
-        known = ", ".join(short_task(t) for t in sorted(gym.registry) if t.startswith("popgym-") and "Easy" in t)
-        raise SystemExit(f"unknown gymnasium id(s): {', '.join(unknown)} (POPGym ids look like "
-                         f"popgym-RepeatPreviousEasy-v0; Easy tasks: {known})")
+    for task in tasks:
+        try:
+            resolve_env_id(task)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}") from None
 
 
 def _write_json(path: Path, doc: dict[str, Any]) -> None:
@@ -248,13 +247,6 @@ def _trainer_setup(parent: int) -> None:
         _stop_with_parent(parent)
 
 
-def _tail(path: Path, n: int = 20) -> list[str]:
-    try:
-        return path.read_text(errors="replace").splitlines()[-n:]
-    except OSError:
-        return []
-
-
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train (unless finished), evaluate and write one run's result; returns ``{"name", "state", ...}`` with
     state ``done``, ``failed`` (with ``reason`` and ``log_tail``) or ``stopped``. Runs in a worker process."""
@@ -281,7 +273,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         if rc != 0:
             if _stopping or rc in (-signal.SIGINT, -signal.SIGTERM):
                 return {"name": spec["name"], "state": "stopped"}
-            return _failed(spec, paths, f"training exited with code {rc}", _tail(log))
+            return _failed(spec, paths, f"training exited with code {rc}", log_tail(log, 20))
     try:
         return _evaluate(spec, folder, paths, train_wall=train_wall, resumed=resumed)
     except Exception as e:  # noqa: BLE001  (any error of one run is that run's result, not the benchmark's)

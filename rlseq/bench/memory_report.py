@@ -303,7 +303,8 @@ def _returns_table(res: Results, summary: pd.DataFrame, tasks: list[str], varian
              f"IQM over seeds of each run's mean evaluation return, with its 95% percentile stratified-bootstrap CI "
              f"(rliable, {reps} resamples; the IQM is the mean below 4 seeds). `random`: the mean return of "
              "uniformly random actions (chance); `none`: the same network without memory (the memoryless "
-             "reference). Returns lie in [-1, 1].", "",
+             "reference)." + (" POPGym returns lie in [-1, 1]." if all(t.startswith("popgym-") for t in tasks) else ""),
+             "",
              "| task | random | " + " | ".join(variants) + " |", "|---|---:|" + "---:|" * len(variants)]
     for t in tasks:
         rnd = res.random.get(t)
