@@ -607,3 +607,14 @@ def test_procgen_vecenv_is_sb3_vecenv():
     env = make_procgen("caveflyer", 1, seed=0, num_threads=0)
     assert isinstance(env, VecEnv) and isinstance(env, ProcgenVecEnv)
     env.close()
+
+
+def test_no_gym_deprecation_notice_on_rlseq_commands():
+    """procgen's legacy gym prints a deprecation notice at import; rlseq commands do not show it."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", "import rlseq.envs, stable_baselines3, procgen, gym"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "unmaintained" not in out.stderr and "Gym has been" not in out.stderr
