@@ -146,9 +146,9 @@ class MemoryPPOPolicy(BasePolicy):
         ``"lstm"``, ``"none"``).
     :param memory_kwargs: passed to the memory class (e.g. ``n_heads``, ``head_dim``).
     :param net_arch: hidden layer sizes of the MLP between the memory and both heads (shared). None (default):
-        ``[64, 64]`` for vector observations (the memory block's output is a normalised embedding, and a
-        control task needs a nonlinear map of it), ``[]`` for images and ``Dict`` observations (as in the Procgen
-        paper, whose heads read the CNN features directly).
+        ``[64, 64]`` for vector observations, ``Dict`` ones included (the memory block's output is a normalised
+        embedding, and a control task needs a nonlinear map of it), ``[]`` where the observation holds an image
+        (as in the Procgen paper, whose heads read the CNN features directly).
     :param features_extractor_class: default chosen from the observation space
         (:func:`default_features_extractor`).
     :param ortho_init: SB3's orthogonal initialisation of the heads (gain 0.01 policy, 1 value).
