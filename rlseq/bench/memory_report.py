@@ -231,13 +231,8 @@ def _ordered(names: list[str], preferred: list[str]) -> list[str]:
 def render(res: Results, out: str | Path, *, png: Path | None, reps: int = REPS) -> str:
     """The report's markdown (links relative to the report's folder)."""
     out = Path(out)
-    from rlseq.bench.memory import TASKS, variants as known_variants
-
     grid = grid_of(res.manifest)
-    summary = summarize(res.runs, reps=reps)
-    tasks = _ordered(list(summary["task"].unique()) + [f["task"] for f in res.failures], [*TASKS, *grid["tasks"]])
-    variants = _ordered(list(summary["variant"].unique()) + [f["variant"] for f in res.failures],
-                        [*known_variants(), *grid["variants"]])
+    summary, tasks, variants = _layout(res, grid, reps)
     regenerate = f"python -m rlseq.bench memory --report-only --out {out.as_posix()}"
     lines = ["# Memory benchmark on POPGym", "",
              "Does each memory remember? Every variant trains with PPO on the same POPGym tasks, seeds and env-step "
@@ -255,6 +250,24 @@ def render(res: Results, out: str | Path, *, png: Path | None, reps: int = REPS)
                   "a ±std band.", "", f"![learning curves]({rel})", ""]
     lines += _problems(res)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _layout(res: Results, grid: dict[str, Any], reps: int) -> tuple[pd.DataFrame, list[str], list[str]]:
+    """The per-(task, variant) summary, and the tasks and variants in report order (the benchmark's, then others)."""
+    from rlseq.bench.memory import TASKS, variants as known_variants
+
+    summary = summarize(res.runs, reps=reps)
+    tasks = _ordered(list(summary["task"].unique()) + [f["task"] for f in res.failures], [*TASKS, *grid["tasks"]])
+    variants = _ordered(list(summary["variant"].unique()) + [f["variant"] for f in res.failures],
+                        [*known_variants(), *grid["variants"]])
+    return summary, tasks, variants
+
+
+def returns_table(out: str | Path, *, reps: int = REPS) -> str:
+    """The report's final-return table (markdown) for the terminal."""
+    res = load_results(Path(out))
+    summary, tasks, variants = _layout(res, grid_of(res.manifest), reps)
+    return "\n".join(_returns_table(res, summary, tasks, variants, reps)[2:]).rstrip()
 
 
 def _provenance(res: Results, grid: dict[str, Any]) -> list[str]:

@@ -157,7 +157,7 @@ def _apply_switches(variant: str, args: argparse.Namespace) -> None:
 def _build(variant: str, args: argparse.Namespace, device: str):
     from stable_baselines3.common.logger import configure
 
-    from rlseq.train import build_model, make_env, ppo_kwargs
+    from rlseq.train import build_model, make_env, observation_kind, ppo_kwargs
 
     speed = settings(variant, args)
     _apply_switches(variant, args)
@@ -169,7 +169,17 @@ def _build(variant: str, args: argparse.Namespace, device: str):
         cfg = _config(args, "lstm", "rlseq")
         env = make_env(cfg, seed=args.seed)
         common = dict(ppo_kwargs(cfg, device), batch_size=cfg["n_envs"] * cfg["n_steps"] // cfg["n_minibatches"])
-        if variant.startswith("sb3-lstm"):
+        kind = observation_kind(env.observation_space)[0]
+        if kind != "image":  # vector envs: the CLI's stock sb3 policies
+            if variant == "sb3-lstm":
+                model = build_model({**cfg, "algo": "sb3-recurrent-ppo"}, env, device)
+            elif variant == "sb3-ppo":
+                from stable_baselines3 import PPO
+
+                model = PPO("MultiInputPolicy" if kind == "dict" else "MlpPolicy", env, **common)
+            else:
+                raise SystemExit(f"{variant} needs an image observation; {args.env} has none")
+        elif variant.startswith("sb3-lstm"):
             from sb3_contrib import RecurrentPPO
 
             kwargs = {}
