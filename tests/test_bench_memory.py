@@ -130,6 +130,17 @@ def test_the_report_from_synthetic_result_files(tmp_path):
     assert path.read_text().replace(str(out), "OUT") == text.replace(str(out), "OUT")
 
 
+def test_hand_written_notes_are_appended_and_the_terminal_table_matches_the_report(tmp_path):
+    out = tmp_path / "memory_benchmark"
+    _synthetic(out)
+    (out / R.NOTES).write_text("## Reading the table\n\nEFLA is below the anchor on T2 because ...\n")
+    text = R.write_report(out).read_text()
+    assert text.rstrip().endswith("## Reading the table\n\nEFLA is below the anchor on T2 because ...")
+    table = R.returns_table(out)
+    assert table.splitlines()[0] == "| task | random | efla | none | sb3-lstm |"
+    assert table in text
+
+
 def test_report_only_without_results_says_what_to_run(tmp_path):
     with pytest.raises(SystemExit, match="run the benchmark first"):
         bench_main(["memory", "--report-only", "--out", str(tmp_path / "empty")])

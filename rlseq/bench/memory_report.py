@@ -8,6 +8,7 @@ Layout of an output folder OUT (written by :mod:`rlseq.bench.memory`; small enou
     OUT/results/<task>/<variant>/seed<S>.csv           its training curve: step, ep_rew_mean
     OUT/results/<task>/<variant>/seed<S>.failed.json   a run that failed, with the end of its log
     OUT/curves.png                                     the learning curves, written with the report
+    OUT/notes.md                                       optional, hand-written reading of the table, appended
     OUT.md                                             the report (docs/memory_benchmark -> docs/memory_benchmark.md)
 
 Statistics: per task and variant the IQM of the seeds' final evaluation returns with a 95% percentile
@@ -30,6 +31,7 @@ import pandas as pd
 MANIFEST = "benchmark.json"
 RESULTS = "results"
 CURVES_PNG = "curves.png"
+NOTES = "notes.md"  # optional, hand-written: appended to the report as it is
 MEMORYLESS = "none"
 REPS = 2000  # bootstrap resamples of each CI
 
@@ -249,6 +251,9 @@ def render(res: Results, out: str | Path, *, png: Path | None, reps: int = REPS)
                   "`rollout/ep_rew_mean` while training (sampled actions, the last 100 episodes), mean over seeds with "
                   "a ±std band.", "", f"![learning curves]({rel})", ""]
     lines += _problems(res)
+    notes = out / NOTES
+    if notes.is_file():  # the hand-written reading of the table, kept across regenerations
+        lines += [notes.read_text().rstrip(), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -267,7 +272,7 @@ def returns_table(out: str | Path, *, reps: int = REPS) -> str:
     """The report's final-return table (markdown) for the terminal."""
     res = load_results(Path(out))
     summary, tasks, variants = _layout(res, grid_of(res.manifest), reps)
-    return "\n".join(_returns_table(res, summary, tasks, variants, reps)[2:]).rstrip()
+    return "\n".join(_returns_table(res, summary, tasks, variants, reps)[4:]).rstrip()
 
 
 def _provenance(res: Results, grid: dict[str, Any]) -> list[str]:
