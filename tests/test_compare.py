@@ -471,3 +471,27 @@ def test_random_bytes_event_file_is_named_and_its_run_left_out(tmp_path: Path,
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         compare.load_runs(runs / "cave" / "efla" / "seed0")
+
+
+def test_payload_checksum_failure_is_counted(tmp_path: Path) -> None:
+    """A flipped byte inside one record's event (its framing intact) fails that record's checksum: the reader
+    stops there, and the warning counts the points it did not return."""
+    import struct
+
+    data = bytearray(_event_file_bytes(tmp_path / "src", [(s, float(s)) for s in STEPS], t0=1000))
+    offsets, pos = [], 0
+    while pos < len(data):  # record = length (8) + its CRC (4) + event + event CRC (4)
+        offsets.append(pos)
+        pos += 16 + struct.unpack_from("<Q", data, pos)[0]
+    assert len(offsets) == 1 + len(STEPS)  # the file-version record, then one record per point
+    bad = offsets[5]  # the fifth point's record
+    data[bad + 12 + struct.unpack_from("<Q", data, bad)[0] - 1] ^= 0xFF  # last byte of its event: the value
+    f = _seed_dir(tmp_path / "runs", 0) / "events.out.tfevents.1.host"
+    f.write_bytes(bytes(data))
+    assert compare.scan_event_file(f).damage_at is None  # the framing is intact
+    with pytest.warns(UserWarning) as record:
+        df = compare.load_runs(tmp_path / "runs")
+    (msg,) = [str(w.message) for w in record]
+    assert msg == (f"{f}: {len(STEPS) - 4} of {len(STEPS)} scalar point(s) could not be read (a record fails its "
+                   "checksum, and the reader stops there); 4 kept")
+    assert list(df["step"]) == STEPS[:4]

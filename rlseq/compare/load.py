@@ -85,7 +85,7 @@ def _damage_message(path: Path, scan: EventFileScan, *, kept: int) -> str | None
     if scan.damage_at is None:
         return (f"{path}: {lost} of {scan.n_points} scalar point(s) could not be read (a record fails its "
                 f"checksum, and the reader stops there); {kept} kept")
-    if lost <= 0 and scan.damage_at + scan.unreadable_bytes == scan.size:
+    if scan.reason == "truncated record" and lost <= 0 and scan.damage_at + scan.unreadable_bytes == scan.size:
         return (f"{path}: the last record is cut off at byte {scan.damage_at} of {scan.size} (a write that did not "
                 f"finish): what it held is lost; {kept} scalar point(s) kept")
     return (f"{path}: damaged at byte {scan.damage_at} of {scan.size} ({scan.reason}) and the reader stops there: "
