@@ -1,6 +1,6 @@
 """Tests for rlseq.compare on synthetic TensorBoard event files with known values.
 
-Layout written once per session (runs/<env>/<variant>/seed<N>/):
+Layout written once for the test run (runs/<env>/<variant>/seed<N>/):
 
 * caveflyer/efla      3 seeds, final values 1, 2, 3 (mean 2, std ddof=1 = 1, IQM = mean: < 4 seeds);
                       seed0 split over two event files (resume from step 500 with stale steps 550 / 600
@@ -171,12 +171,12 @@ def test_iqm_curve_matches_rliable() -> None:
     rng = np.random.default_rng(0)
     scores = rng.normal(size=(5, 1, 7))
     want = [metrics.aggregate_iqm(scores[:, :, j]) for j in range(7)]
-    np.testing.assert_allclose(compare._iqm_over_runs(scores), want, rtol=1e-12)
+    np.testing.assert_allclose(compare.stats._iqm_over_runs(scores), want, rtol=1e-12)
 
 
 def test_curve_grid_stops_at_shortest_seed(runs_root: Path) -> None:
     df = compare.load_runs(runs_root / "bigfish")
-    grid, vals = compare._seed_curves(df[df["tag"] == METRIC], 9)
+    grid, vals = compare.stats._seed_curves(df[df["tag"] == METRIC], 9)
     assert grid[0] == 0 and grid[-1] == 800 and vals.shape == (2, 9)
 
 
@@ -322,6 +322,26 @@ def test_cli_baseline_panels_and_scalars_roundtrip(runs_root: Path, tmp_path: Pa
     with pytest.raises(SystemExit) as e:
         compare.main([str(runs_root / "caveflyer"), "--out", str(tmp_path), "--baseline", "gru"])
     assert "no variant has a gru run" in str(e.value.code)
+    assert not (tmp_path / "compare.png").exists() and not (tmp_path / "compare.md").exists()  # nothing written
+
+
+def test_cli_baseline_without_panels_names_variants_left_out(runs_root: Path, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """--baseline prints its table with any --panels; a variant with no baseline run (bigfish has no
+    deltanet) is named in a warning and under the table instead of vanishing."""
+    with pytest.warns(UserWarning) as record:
+        assert compare.main([str(runs_root), "--out", str(tmp_path), "--aggregate", "iqm", "--reps", "100",
+                             "--points", "10", "--baseline", "deltanet"]) == 0
+    md = capsys.readouterr().out
+    table = md[md.index("## Against deltanet (same tag)"):]
+    assert "| caveflyer | efla | deltanet | 3 vs 4 |" in table and "| caveflyer | lstm | deltanet | 1 vs 4 |" in table
+    assert "| bigfish |" not in table
+    assert "Left out (no deltanet run under the same tag in the same env): bigfish/efla." in table
+    left_out = [str(w.message) for w in record if "--baseline deltanet" in str(w.message)]
+    assert left_out == ["--baseline deltanet: no deltanet run under the same tag for bigfish/efla; "
+                        "left out of the baseline table"]
+    assert compare.without_baseline(compare.final_returns(compare.load_runs(runs_root / "caveflyer")),
+                                    "deltanet") == []
 
 
 @pytest.fixture(scope="session")
@@ -386,3 +406,92 @@ def test_multi_input_errors(split_runs: tuple[Path, Path], tmp_path: Path) -> No
     assert compare.load_scalars(tmp_path / "2048.csv")["env"].unique().tolist() == ["2048"]
     with pytest.raises(compare.CompareError, match="run 2048/lstm/seed0 is in both"):
         compare.load_inputs([tmp_path / "2048.csv", tree])
+
+
+# ------------------------------------------------------------------------------------ damaged event files
+def _event_file_bytes(tmp: Path, points: list[tuple[int, float]], t0: float) -> bytes:
+    _write(tmp, {METRIC: points}, t0=t0)
+    (f,) = tmp.glob("events.out.tfevents.*")
+    return f.read_bytes()
+
+
+def _seed_dir(root: Path, seed: int) -> Path:
+    d = root / "cave" / "efla" / f"seed{seed}"
+    d.mkdir(parents=True)
+    return d
+
+
+def test_truncated_event_file_warns_and_keeps_what_is_readable(tmp_path: Path) -> None:
+    points = [(s, float(s)) for s in STEPS]
+    data = _event_file_bytes(tmp_path / "src", points, t0=1000)
+    bad = _seed_dir(tmp_path / "runs", 0) / "events.out.tfevents.1.host"
+    bad.write_bytes(data[:-5])  # the last point's record is cut off mid-write
+    with pytest.warns(UserWarning) as record:
+        df = compare.load_runs(tmp_path / "runs")
+    msgs = [str(w.message) for w in record]
+    assert len(msgs) == 1 and str(bad) in msgs[0] and "cut off" in msgs[0]
+    assert f"{len(points) - 1} scalar point(s) kept" in msgs[0]
+    assert list(df["step"]) == STEPS[:-1]
+    scan = compare.scan_event_file(bad)
+    assert scan.damage_at is not None and scan.reason == "truncated record" and scan.n_points == len(points) - 1
+
+
+def test_damage_mid_file_counts_the_points_after_it(tmp_path: Path) -> None:
+    """Garbage between two intact stretches: the reader stops at it, so the points after it are lost and the
+    warning says how many."""
+    head = _event_file_bytes(tmp_path / "a", [(s, 1.0) for s in STEPS[:3]], t0=1000)
+    tail = _event_file_bytes(tmp_path / "b", [(s, 2.0) for s in STEPS[3:]], t0=2000)
+    garbage = np.random.default_rng(0).bytes(40)
+    f = _seed_dir(tmp_path / "runs", 0) / "events.out.tfevents.1.host"
+    f.write_bytes(head + garbage + tail)
+    scan = compare.scan_event_file(f)
+    assert (scan.damage_at, scan.unreadable_bytes) == (len(head), len(garbage))
+    assert scan.n_points == len(STEPS) and scan.points_after_damage == len(STEPS) - 3
+    with pytest.warns(UserWarning, match=r"damaged at byte") as record:
+        df = compare.load_runs(tmp_path / "runs")
+    msg = str(record[0].message)
+    assert str(f) in msg and f"{len(STEPS) - 3} scalar point(s) in intact records after it are lost" in msg
+    assert f"the {len(garbage)} unreadable byte(s)" in msg and msg.endswith("; 3 kept")
+    assert list(df["step"]) == STEPS[:3]
+
+
+def test_random_bytes_event_file_is_named_and_its_run_left_out(tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    runs = tmp_path / "runs"
+    _write(_seed_dir(runs, 0), {METRIC: [(s, 1.0) for s in STEPS]}, t0=1000)
+    junk = _seed_dir(runs, 1) / "events.out.tfevents.2.host"
+    junk.write_bytes(np.random.default_rng(1).bytes(3000))
+    with pytest.warns(UserWarning) as record:
+        assert compare.main([str(runs / "cave"), "--out", str(tmp_path / "out"), "--reps", "10"]) == 0
+    msgs = [str(w.message) for w in record]
+    assert f"{junk}: not a readable TensorBoard event file (no intact record in its 3000 bytes); skipped" in msgs
+    assert "run cave/efla/seed1 has no readable scalars in its 1 event file(s); left out" in msgs
+    assert "| efla | 1 |" in capsys.readouterr().out  # the intact seed alone
+    # an intact file gives no warning at all
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compare.load_runs(runs / "cave" / "efla" / "seed0")
+
+
+def test_payload_checksum_failure_is_counted(tmp_path: Path) -> None:
+    """A flipped byte inside one record's event (its framing intact) fails that record's checksum: the reader
+    stops there, and the warning counts the points it did not return."""
+    import struct
+
+    data = bytearray(_event_file_bytes(tmp_path / "src", [(s, float(s)) for s in STEPS], t0=1000))
+    offsets, pos = [], 0
+    while pos < len(data):  # record = length (8) + its CRC (4) + event + event CRC (4)
+        offsets.append(pos)
+        pos += 16 + struct.unpack_from("<Q", data, pos)[0]
+    assert len(offsets) == 1 + len(STEPS)  # the file-version record, then one record per point
+    bad = offsets[5]  # the fifth point's record
+    data[bad + 12 + struct.unpack_from("<Q", data, bad)[0] - 1] ^= 0xFF  # last byte of its event: the value
+    f = _seed_dir(tmp_path / "runs", 0) / "events.out.tfevents.1.host"
+    f.write_bytes(bytes(data))
+    assert compare.scan_event_file(f).damage_at is None  # the framing is intact
+    with pytest.warns(UserWarning) as record:
+        df = compare.load_runs(tmp_path / "runs")
+    (msg,) = [str(w.message) for w in record]
+    assert msg == (f"{f}: {len(STEPS) - 4} of {len(STEPS)} scalar point(s) could not be read (a record fails its "
+                   "checksum, and the reader stops there); 4 kept")
+    assert list(df["step"]) == STEPS[:4]
