@@ -354,3 +354,12 @@ def test_step_agrees_with_chunk_kernel():
                                    resets=r[:, t])
         assert rel_err(o.cpu(), o_c[:, t].cpu()) < 1e-5
     assert rel_err(s.cpu(), s_c.cpu()) < 1e-5
+
+
+def test_gpu_check_runs_its_checks():
+    """``python -m rlseq.bench gpu-check``'s checks, on this device at a tiny shape: they run and pass."""
+    from rlseq.bench.gpu_check import check_chunk, check_step
+
+    errs = check_chunk(2, 20, 1, 16, "efla", torch.float32, DEVICE)
+    assert set(errs) == {"o", "S", "dq", "dk", "dv", "dbeta", "dinitial_state"} and max(errs.values()) < 1e-4, errs
+    assert check_step("deltanet", 16, 16, DEVICE, B=3, H=1, T=4) < 1e-4
