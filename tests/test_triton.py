@@ -363,3 +363,20 @@ def test_gpu_check_runs_its_checks():
     errs = check_chunk(2, 20, 1, 16, "efla", torch.float32, DEVICE)
     assert set(errs) == {"o", "S", "dq", "dk", "dv", "dbeta", "dinitial_state"} and max(errs.values()) < 1e-4, errs
     assert check_step("deltanet", 16, 16, DEVICE, B=3, H=1, T=4) < 1e-4
+
+
+def test_this_file_leaves_triton_interpret_and_the_kernels_alone():
+    """Collected in a process run with TRITON_INTERPRET=0, this file must neither change the variable nor turn the
+    compiled kernels other test files use into interpreted ones (it once did both, and CUDA graph capture in
+    tests/test_acting.py then failed on a GPU host)."""
+    import subprocess
+    import sys
+
+    code = ("import os, pytest; rc = pytest.main(['-q', '-p', 'no:cacheprovider', '--collect-only', "
+            "'tests/test_triton.py']); import rlseq.kernels.triton_chunk as tc; "
+            "assert os.environ['TRITON_INTERPRET'] == '0', os.environ['TRITON_INTERPRET']; "
+            "assert not type(tc.chunk_fwd_kernel).__name__.startswith('Interpreted')")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
