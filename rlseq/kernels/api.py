@@ -100,7 +100,7 @@ def chunk_rule(
         rule: ``"efla"`` or ``"deltanet"``.
         initial_state: ``[B, H, K, V]`` float32/float64 state entering step 0, or None for zeros.
         resets: ``[B, T]`` bool; True at t means an episode starts at t: the state before step t is zero
-            (at t = 0 ``initial_state`` is ignored for that sequence).
+            (at t = 0 ``initial_state`` is ignored for that sequence, NaN or inf included).
         backend: ``"reference"`` (the float64-capable step loop, the oracle), ``"torch"`` (chunked, the
             CPU default), ``"triton"`` (the CUDA default), or None for the best available.
         chunk_size: chunk length (default 16). The ``"torch"`` backend takes any length ≥ 1; the ``"triton"``
@@ -165,7 +165,7 @@ def step_rule(
     """One step of a delta rule for acting; updates ``state`` in place.
 
     Args:
-        q, k: ``[B, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``.
+        q, k: ``[B, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``, ``≥ 0`` (negative values raise).
         state: ``[B, H, K, V]`` float32 (or float64), updated in place.
         resets: ``[B]`` bool; True zeroes that state before the step.
 
