@@ -74,11 +74,12 @@ def step_size(k: torch.Tensor, beta: torch.Tensor, rule: str) -> torch.Tensor:
 
 
 def key_norm(k: torch.Tensor) -> torch.Tensor:
-    """``‖k‖`` over the last dim without overflow or underflow (``‖k‖²`` overflows float32 above ~1.8e19): the
-    norm of ``k / m`` times ``m = max|k_i|``. ``m`` is a constant to autograd; the gradient is ``k / ‖k‖``."""
-    m = k.detach().abs().amax(-1, keepdim=True)
-    m = torch.where(m > 0, m, torch.ones_like(m))
-    return m.squeeze(-1) * torch.linalg.vector_norm(k / m, dim=-1)
+    """``‖k‖`` over the last dim without overflow (``‖k‖²`` overflows float32 above ~1.8e19): the squares are summed
+    in float64, where no float32 (or bf16/fp16) value overflows or underflows; float64 keys are exact below 1e154.
+    One reduction (the acting step runs this per env step; a max-scaled norm cost ~10x more at acting sizes)."""
+    if k.dtype == torch.float64:
+        return torch.linalg.vector_norm(k, dim=-1)
+    return torch.linalg.vector_norm(k, dim=-1, dtype=torch.float64).to(k.dtype)
 
 
 def unit_key_scales(
