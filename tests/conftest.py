@@ -1,9 +1,11 @@
-"""Run every Triton kernel in these tests under the interpreter, on CPU tensors.
+"""Run every Triton kernel in these tests under the interpreter, on CPU tensors, unless told otherwise.
 
 ``@triton.jit`` (triton's own ``tl.sum`` etc. included) decides at decoration time whether a function is
-interpreted, so the variable must be set before anything imports triton; conftest.py is imported first.
-Only the Triton tests use it: the API still picks the torch backend for CPU tensors when backend is None.
-A value set outside wins: ``TRITON_INTERPRET=0 pytest tests/test_acting.py`` runs the compiled kernels on a GPU.
+interpreted, so the variable must be set before anything imports triton; conftest.py is imported first, and no
+test file changes the variable or reloads a kernel module afterwards. Only the Triton tests use it: the API still
+picks the torch backend for CPU tensors when backend is None. A value set outside wins:
+``TRITON_INTERPRET=0 pytest tests/test_acting.py tests/test_triton.py`` runs the compiled kernels on a GPU (and
+tests/test_triton.py skips, with its reason, on a host without one).
 """
 
 import os

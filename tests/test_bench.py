@@ -39,11 +39,3 @@ def test_the_same_options_baseline_ignores_the_options_order():
     assert _same_options_baseline("rlseq-efla+bf16+graph", base) == 2.0
     assert _same_options_baseline("rlseq-efla", base) == 1.0
     assert _same_options_baseline("rlseq-efla+bf16", base) is None
-
-
-def test_gpu_check_time_configs_are_valid_configs():
-    from rlseq.bench.gpu_check import time_configs
-    from rlseq.kernels.triton_chunk import check_config, default_config
-
-    for cfg in time_configs()[1:]:
-        check_config({**default_config(256, 64, 64, 8, 4), **cfg})  # raises on a combination the kernels refuse

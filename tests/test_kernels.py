@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from rlseq.kernels import chunk_rule, naive_rule, phi, step_rule, unit_key_form
-from tests.helpers import random_inputs, rel_err
+from rlseq.bench.kernels import random_inputs, rel_err
 
 RULES = ("efla", "deltanet")
 FIELDS = ("q", "k", "v", "beta", "initial_state")
@@ -148,22 +148,13 @@ def test_zero_keys_and_zero_beta_leave_the_state_alone():
         assert torch.equal(s0, inp["initial_state"])
 
 
-def test_deltanet_with_beta_beyond_2_takes_the_row_substitution_path():
-    """β > 2 (eigenvalues below -1) is outside the range where the float64 product form is safe."""
+def test_deltanet_with_beta_beyond_2_and_repeated_keys():
+    """β > 2 (eigenvalues below -1) with repeated unit keys: |A_ij| = 4.5, where product-form inverses break down."""
     inp = random_inputs(2, 12, 2, 16, 8, rule="deltanet", beta_max=5.0, generator=_gen(18))
     inp["beta"][:, :, 0] = 4.5
-    inp["k"][:, :, 0] = inp["k"][:, :1, 0]  # repeated unit keys: |A_ij| = β_i = 4.5 > 2
-    import rlseq.kernels.chunk as chunk
-
-    calls = []
-    real = chunk._unit_lower_inverse_rows
-    chunk._unit_lower_inverse_rows = lambda a: calls.append(1) or real(a)
-    try:
-        o_ref, s_ref = _call(inp, "deltanet", "reference")
-        o, s = _call(inp, "deltanet", "torch", chunk_size=16)
-    finally:
-        chunk._unit_lower_inverse_rows = real
-    assert calls, "the row-substitution fallback was not taken"
+    inp["k"][:, :, 0] = inp["k"][:, :1, 0]
+    o_ref, s_ref = _call(inp, "deltanet", "reference")
+    o, s = _call(inp, "deltanet", "torch", chunk_size=16)
     assert rel_err(o, o_ref) < 1e-9 and rel_err(s, s_ref) < 1e-9
 
 
@@ -239,7 +230,7 @@ def test_efla_stays_bounded_where_deltanet_with_raw_keys_diverges():
     v = torch.randn(B, T, H, V, generator=g, dtype=torch.float64)
     beta = torch.rand(B, T, H, generator=g, dtype=torch.float64)
     norms = k.norm(dim=-1)
-    # efla.md §2: per step ‖S_t‖_F ≤ ‖S_{t-1}‖_F + c_t ‖v_t‖/‖k_t‖, and c/‖k‖ ≤ 0.6382 √β for every key norm
+    # docs/rules.md §2: per step ‖S_t‖_F ≤ ‖S_{t-1}‖_F + c_t ‖v_t‖/‖k_t‖, and c/‖k‖ ≤ 0.6382 √β for every key norm
     gate = -torch.expm1(-beta * norms**2)
     tight = (gate * v.norm(dim=-1) / norms).cumsum(1)  # [B, T, H]
     loose = (0.6382 * beta.sqrt() * v.norm(dim=-1)).cumsum(1)
@@ -441,3 +432,75 @@ def test_torch_no_grad_forward_is_repeatable_and_never_overwrites_earlier_output
         assert torch.equal(o1, o0) and torch.equal(s1, s0)
     o_ref, s_ref = _call(inps[1], "efla", "reference")
     assert rel_err(again[1][0], o_ref) < 1e-10 and rel_err(again[1][1], s_ref) < 1e-10
+
+
+# --- bad values: huge keys, negative β, empty inputs, a NaN initial state behind a reset ------------------------
+
+
+def test_efla_key_norms_up_to_1e30_in_float32():
+    """‖k‖² overflows float32 above ~1.8e19 (the gate once became inf·0 = NaN there): outputs, state and every
+    gradient finite and equal to the float64 oracle for key norms over 1e-4..1e30, in the torch backend and in the
+    torch acting step."""
+    inp = random_inputs(2, 37, 2, 16, 8, rule="efla", key_norms=(1e-4, 1e30), generator=_gen(40))
+    inp["k"][0, 5, 1] *= 1e30 / inp["k"][0, 5, 1].norm()
+    low = {n: (x.float() if x.is_floating_point() else x) for n, x in inp.items()}
+    ref, got = _grads_torch_vs_reference(low, "efla", 16, dtype=torch.float32)
+    o_ref, s_ref = _call({n: (x.double() if x.is_floating_point() else x) for n, x in low.items()}, "efla", "reference")
+    o, s = _call(low, "efla", "torch")
+    assert rel_err(o, o_ref) < 1e-5 and rel_err(s, s_ref) < 1e-5
+    for name in ref:
+        assert rel_err(got[name], ref[name]) < 1e-4, (name, rel_err(got[name], ref[name]))
+    state, s_step = low["initial_state"].clone(), inp["initial_state"].clone()
+    for t in range(6):
+        x = [low[n][:, t] for n in ("q", "k", "v", "beta")]
+        o_t = step_rule(*x, state, rule="efla", resets=low["resets"][:, t], backend="torch")
+        o_r = step_rule(*(a.double() for a in x), s_step, rule="efla", resets=low["resets"][:, t], backend="reference")
+        assert rel_err(o_t, o_r) < 1e-5 and rel_err(state, s_step) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("rule", RULES)
+def test_negative_beta_is_refused(rule, backend):
+    inp = random_inputs(2, 5, 1, 16, 8, rule=rule, dtype=torch.float32, generator=_gen(41))
+    inp["beta"][1, 3, 0] = -0.2
+    with pytest.raises(ValueError, match=r"beta must be >= 0 \(got a minimum of -0.2\)"):
+        _call(inp, rule, backend)
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        step_rule(*(inp[n][:, 3] for n in ("q", "k", "v", "beta")), inp["initial_state"].float(), rule=rule,
+                  backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("shape", [(0, 5, 2, 16, 8), (2, 5, 0, 16, 8), (2, 5, 2, 0, 8), (2, 5, 2, 16, 0)],
+                         ids=["B0", "H0", "K0", "V0"])
+def test_empty_inputs_give_empty_results(shape, backend):
+    B, T, H, K, V = shape
+    x = [torch.randn(B, T, H, K, requires_grad=True), torch.randn(B, T, H, K), torch.randn(B, T, H, V),
+         torch.rand(B, T, H)]
+    h0 = torch.randn(B, H, K, V, requires_grad=True)
+    o, s = chunk_rule(*x, rule="efla", initial_state=h0, resets=torch.zeros(B, T, dtype=torch.bool), backend=backend)
+    assert o.shape == (B, T, H, V) and s.shape == (B, H, K, V) and o.dtype == torch.float32
+    assert not o.abs().sum() and not s.abs().sum()
+    (o.sum() + s.sum()).backward()
+    state = torch.zeros(B, H, K, V)
+    assert step_rule(*(t[:, 0] for t in x), state, rule="efla", backend=backend).shape == (B, H, V)
+
+
+@pytest.mark.parametrize("backend", ["reference", "torch"])
+@pytest.mark.parametrize("rule", RULES)
+def test_nan_initial_state_does_not_leak_through_a_reset_at_t0(rule, backend):
+    """A sequence that starts an episode at t = 0 ignores its initial state, NaN or inf included (as step_rule)."""
+    inp = random_inputs(2, 20, 2, 8, 4, rule=rule, generator=_gen(42))
+    inp["resets"][:, 0] = torch.tensor([True, False])
+    clean = _call(inp, rule, backend)
+    h0 = inp["initial_state"].clone().requires_grad_()
+    h0.data[0, 0, 0, 0], h0.data[0, 1] = float("nan"), float("inf")
+    o, s = chunk_rule(inp["q"], inp["k"], inp["v"], inp["beta"], rule=rule, initial_state=h0, resets=inp["resets"],
+                      backend=backend)
+    assert torch.equal(o, clean[0]) and torch.equal(s, clean[1])
+    (o.sum() + s.sum()).backward()
+    assert torch.isfinite(h0.grad).all() and not h0.grad[0].any()
+    state = h0.detach().clone()
+    step_rule(*(inp[n][:, 0] for n in ("q", "k", "v", "beta")), state, rule=rule, resets=inp["resets"][:, 0],
+              backend=backend)
+    assert torch.isfinite(state).all()

@@ -7,6 +7,7 @@ import importlib
 
 SUITES = {
     "kernels": ("rlseq.bench.kernels", "chunk_rule fwd+bwd and step_rule per backend at RL shapes"),
+    "gpu-check": ("rlseq.bench.gpu_check", "the Triton kernels on a GPU against the float64 oracle (and --time)"),
     "envs": ("rlseq.bench.envs", "procgen vector env steps/s with and without the scale wrappers"),
     "train": ("rlseq.bench.train", "end-to-end env-steps/s of training per memory"),
     "memory": ("rlseq.bench.memory", "does each memory remember: PPO on POPGym tasks per memory, IQM report"),

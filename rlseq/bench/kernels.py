@@ -1,183 +1,80 @@
-"""``python -m rlseq.bench kernels``: chunk_rule forward and forward+backward time per backend at RL shapes,
-with each row's error against the float64 oracle."""
+"""``python -m rlseq.bench kernels``: ``chunk_rule`` forward and forward+backward time per backend at RL shapes,
+each row with its error against the float64 oracle; ``--fla`` adds flash-linear-attention's DeltaNet kernels and
+``--step`` the acting step.
+
+Also the kernel inputs and the fla runner that the tests and ``rlseq.bench.gpu_check`` share.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 import torch.nn.functional as F
 
 from rlseq.bench.timing import describe_environment, graph_ms, interleaved_median_ms, median_ms
-from rlseq.kernels import chunk_rule, triton_available
+from rlseq.kernels import chunk_rule, step_rule, triton_available
 
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rule", choices=("efla", "deltanet"), default="efla")
-    parser.add_argument("--batch", type=int, nargs="+", default=[8, 64], help="B values")
-    parser.add_argument("--head-dim", type=int, nargs="+", default=[16, 32, 64], help="D = K = V values")
-    parser.add_argument("--steps", type=int, default=256, help="T")
-    parser.add_argument("--heads", type=int, default=4, help="H")
-    parser.add_argument("--backends", nargs="+", default=None, help="default: every backend available on the device")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 20 on GPU, 5 on CPU)")
-    parser.add_argument("--sequential", action="store_true",
-                        help="CPU grid: time each backend alone, one after the other, instead of round-robin")
-    parser.add_argument("--shapes", nargs="+", default=None, metavar="B,T,H,D",
-                        help="explicit shapes instead of the --batch x --head-dim grid, e.g. 8,256,4,64")
-    parser.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32"],
-                        help="input dtypes (the reference and torch backends run only in float32)")
-    parser.add_argument("--fla", action="store_true",
-                        help="add flash-linear-attention rows when importable: chunk_delta_rule (bf16) and "
-                             "fused_recurrent_delta_rule (fp32), DeltaNet on unit keys, no resets (fla has none)")
-    parser.add_argument("--step", action="store_true", help="add step_rule rows (acting) at --step-batch x --step-dim")
-    parser.add_argument("--step-batch", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--step-dim", type=int, nargs="+", default=[32, 64])
-    parser.add_argument("--skip-chunk", action="store_true", help="only the step rows")
-
-
-def make_inputs(B: int, T: int, H: int, D: int, rule: str, device: torch.device, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random RL-like inputs in float32: EFLA keys with norms spread over 1e-2..1e2, resets ~1 in 50 steps."""
-    g = torch.Generator(device=device).manual_seed(seed)
-    kw = dict(device=device, generator=g)
-    k = F.normalize(torch.randn(B, T, H, D, **kw), dim=-1)
-    if rule == "efla":
-        k = k * 10 ** (4 * torch.rand(B, T, H, 1, **kw) - 2)
-    return dict(
-        q=torch.randn(B, T, H, D, **kw) / D**0.5,
-        k=k,
-        v=torch.randn(B, T, H, D, **kw),
-        beta=torch.rand(B, T, H, **kw),
-        initial_state=torch.randn(B, H, D, D, **kw) * 0.1,
-        resets=torch.rand(B, T, **kw) < 0.02,
-    )
-
-
-def _time(fn, device: torch.device, warmup: int, repeats: int, grads=None) -> float:
-    """Median ms: ``triton.testing.do_bench`` (CUDA events, median, after warm-up) on the GPU when triton is
-    importable, else :func:`median_ms`."""
-    if device.type == "cuda":
-        try:
-            import triton.testing
-        except ImportError:
-            pass
-        else:
-            fn()
-            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median", grad_to_none=grads)
-    return median_ms(fn, device, warmup=warmup, repeats=repeats)
-
-
-def backend_fns(inp: dict[str, torch.Tensor], rule: str, backend: str):
-    """``(forward, forward_only, forward_backward, leaves)`` of chunk_rule on ``backend``: ``forward_only`` runs under
-    ``no_grad``, ``forward_backward`` backpropagates fixed random output gradients (and ones for the final state)."""
-    leaves = {n: inp[n].clone().requires_grad_() for n in ("q", "k", "v", "beta", "initial_state")}
-
-    def forward():
-        return chunk_rule(leaves["q"], leaves["k"], leaves["v"], leaves["beta"], rule=rule,
-                          initial_state=leaves["initial_state"], resets=inp["resets"], backend=backend)
-
-    return (forward, *_fwd_and_fwd_bwd(forward, list(leaves.values())), list(leaves.values()))
-
-
-def _fwd_and_fwd_bwd(forward, leaves: list[torch.Tensor]):
-    o, _ = forward()
-    grad_o = torch.randn_like(o)
-
-    def forward_backward():
-        for x in leaves:
-            x.grad = None
-        o, s = forward()
-        torch.autograd.backward([o, s], [grad_o, torch.ones_like(s)])
-
-    def forward_only():
-        with torch.no_grad():
-            return forward()
-
-    return forward_only, forward_backward
-
-
-def time_backend(inp: dict[str, torch.Tensor], rule: str, backend: str, repeats: int, graph: bool = False):
-    """(forward ms, forward+backward ms, output) for one backend, timed on its own; with ``graph`` (CUDA) a
-    fourth entry: the forward+backward replayed from a CUDA graph (:func:`rlseq.bench.timing.graph_ms`)."""
-    device = inp["q"].device
-    if backend in FLA_BACKENDS:
-        leaves = {n: inp[n].clone().requires_grad_() for n in ("q", "k", "v", "beta", "initial_state")}
-        return time_fla(inp, backend, leaves, graph)
-    forward, _, _, leaves = backend_fns(inp, rule, backend)
-    warmup = 1 if backend == "reference" else 3
-    return time_forward_backward(forward, leaves, device, warmup, repeats, graph)
-
-
-def time_backends_interleaved(inp: dict[str, torch.Tensor], rule: str, backends: list[str], repeats: int):
-    """{backend: (forward ms, forward+backward ms, output)}, all timed round-robin
-    (:func:`rlseq.bench.timing.interleaved_median_ms`): each backend sees the same machine state."""
-    device = inp["q"].device
-    fns, warmup, outs = {}, {}, {}
-    for backend in backends:
-        forward, fwd_only, fwd_bwd, _ = backend_fns(inp, rule, backend)
-        fns[(backend, "fwd")], fns[(backend, "both")] = fwd_only, fwd_bwd
-        warmup[(backend, "fwd")] = warmup[(backend, "both")] = 1 if backend == "reference" else 3
-        with torch.no_grad():
-            outs[backend] = forward()[0]
-    ms = interleaved_median_ms(fns, device, warmup=warmup, repeats=repeats)
-    return {b: (ms[(b, "fwd")], ms[(b, "both")], outs[b]) for b in backends}
-
-
-def time_forward_backward(forward, leaves: list[torch.Tensor], device: torch.device, warmup: int, repeats: int,
-                          graph: bool = False):
-    """(forward ms, forward+backward ms, output) of ``forward() -> (o, final_state)`` with random output
-    gradients; the forward alone runs under ``no_grad``. With ``graph``: also the forward+backward replayed from a
-    CUDA graph (the kernels' device time without the host's launch work)."""
-    forward_only, forward_backward = _fwd_and_fwd_bwd(forward, leaves)
-    fwd = _time(forward_only, device, warmup, repeats)
-    both = _time(forward_backward, device, warmup, repeats, grads=leaves)
-    replay = (graph_ms(forward_backward, leaves),) if graph else ()
-    with torch.no_grad():
-        o, _ = forward()
-    return (fwd, both, o, *replay)
-
-
-def main(args: argparse.Namespace) -> None:
-    device = torch.device(args.device)
-    backends = args.backends or [b for b in ("reference", "torch", "triton") if b != "triton" or triton_available(device)]
-    repeats = args.repeats or (20 if device.type == "cuda" else 5)
-    T, H = args.steps, args.heads
-    print(describe_environment(device))
-    if args.shapes or args.dtypes != ["float32"] or args.fla or args.step or args.skip_chunk:
-        print(f"rule {args.rule}, resets ~2% of steps; GPU: triton.testing.do_bench median after warm-up\n")
-        if not args.skip_chunk:
-            chunk_rows(args, device, backends, repeats)
-        if args.step:
-            step_rows(args, device, backends)
-        return
-    interleave = device.type == "cpu" and not args.sequential
-    how = (f"median of {repeats} round-robin rounds over the backends after warm-up, each timed call preceded by an "
-           "untimed one of the same function" if interleave else f"median of {repeats} after warm-up")
-    print(f"rule {args.rule}, float32 inputs, T={T}, H={H}, resets ~2% of steps; {how}\n")
-    print("| B | T | H | D | backend | fwd ms | fwd+bwd ms | bwd ms | fwd speed-up vs reference | bwd speed-up vs reference | rel. err vs fp64 oracle |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for B in args.batch:
-        for D in args.head_dim:
-            inp = make_inputs(B, T, H, D, args.rule, device)
-            with torch.no_grad():
-                o_ref, _ = chunk_rule(*(inp[n].double() for n in ("q", "k", "v", "beta")), rule=args.rule,
-                                      initial_state=inp["initial_state"].double(), resets=inp["resets"], backend="reference")
-            base = None
-            timed = time_backends_interleaved(inp, args.rule, backends, repeats) if interleave else None
-            for backend in backends:
-                fwd, both, o = timed[backend] if timed else time_backend(inp, args.rule, backend, repeats)
-                bwd = both - fwd
-                if backend == "reference":
-                    base = (fwd, bwd)
-                err = ((o.double() - o_ref).norm() / o_ref.norm()).item()
-                sp = f"{base[0] / fwd:.1f}x | {base[1] / bwd:.1f}x" if base else "- | -"
-                print(f"| {B} | {T} | {H} | {D} | {backend} | {fwd:.3f} | {both:.3f} | {bwd:.3f} | {sp} | {err:.1e} |", flush=True)
-
-
-# --- triton / fla / bf16 / step rows (issue 3) ---------------------------------------------------------
-
-FLA_BACKENDS = ("fla_chunk", "fla_recurrent")
+FIELDS = ("q", "k", "v", "beta", "initial_state")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def random_inputs(
+    B: int,
+    T: int,
+    H: int,
+    K: int,
+    V: int,
+    *,
+    rule: str,
+    dtype: torch.dtype = torch.float64,
+    reset_prob: float = 0.1,
+    key_norms: tuple[float, float] = (1e-4, 1e4),
+    beta_max: float = 2.0,
+    generator: torch.Generator | None = None,
+    device: str | torch.device = "cpu",
+) -> dict[str, torch.Tensor]:
+    """Inputs for ``chunk_rule`` (drawn on the CPU, then moved to ``device``). EFLA keys get log-uniform norms in
+    ``key_norms``; DeltaNet keys are unit (as its callers normalise). Resets hit random positions plus, when
+    ``reset_prob > 0``, t = 0, two consecutive steps and, when T is long enough, the start of the second chunk of
+    16. The initial state is float64 (cast it as needed); the rest is in ``dtype``."""
+    g = generator
+    kw = dict(dtype=torch.float64)
+    q = torch.randn(B, T, H, K, generator=g, **kw)
+    k = F.normalize(torch.randn(B, T, H, K, generator=g, **kw), dim=-1)
+    if rule == "efla":
+        lo, hi = (math.log10(x) for x in key_norms)
+        k = k * 10 ** (lo + (hi - lo) * torch.rand(B, T, H, 1, generator=g, **kw))
+    v = torch.randn(B, T, H, V, generator=g, **kw)
+    beta = beta_max * torch.rand(B, T, H, generator=g, **kw)
+    resets = torch.rand(B, T, generator=g) < reset_prob
+    if reset_prob > 0 and B > 0:
+        resets[0, 0] = True
+        if T >= 4:
+            resets[-1, T // 2 : T // 2 + 2] = True
+        if T > 17:
+            resets[0, 16] = True
+    initial_state = torch.randn(B, H, K, V, generator=g, **kw)
+    out = dict(q=q.to(dtype), k=k.to(dtype), v=v.to(dtype), beta=beta.to(dtype), resets=resets,
+               initial_state=initial_state)
+    return {n: x.to(device) for n, x in out.items()}
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """``‖x − ref‖ / ‖ref‖`` in float64; NaN or inf anywhere gives inf."""
+    x, ref = x.double(), ref.double().to(x.device)
+    if not torch.isfinite(x).all():
+        return float("inf")
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-300)).item()
+
+
+def oracle(inp: dict[str, torch.Tensor], rule: str, resets: bool = True) -> torch.Tensor:
+    """``o`` of the float64 step loop on ``inp`` (as rounded to its dtype)."""
+    with torch.no_grad():
+        o, _ = chunk_rule(*(inp[n].double() for n in FIELDS[:4]), rule=rule, backend="reference",
+                          initial_state=inp["initial_state"].double(), resets=inp["resets"] if resets else None)
+    return o
 
 
 def fla_available() -> bool:
@@ -188,110 +85,178 @@ def fla_available() -> bool:
     return True
 
 
-def time_fla(inp: dict[str, torch.Tensor], backend: str, leaves: dict[str, torch.Tensor], graph: bool = False):
-    """fla's DeltaNet kernels (scale 1, initial and final state): chunk in bf16, fused_recurrent in fp32."""
+def fla_delta_rule(inp: dict[str, torch.Tensor], dtype: torch.dtype):
+    """``(forward, leaves)`` of flash-linear-attention's DeltaNet on ``inp`` (unit keys, scale 1, initial and final
+    state, no resets: fla has none): ``chunk_delta_rule`` in bf16 (it refuses fp32), ``fused_recurrent_delta_rule``
+    in fp32. ``forward() -> (o, final_state)``."""
     from fla.ops.delta_rule import chunk_delta_rule, fused_recurrent_delta_rule
 
-    fn, dt = (chunk_delta_rule, torch.bfloat16) if backend == "fla_chunk" else (fused_recurrent_delta_rule, torch.float32)
-    x = {n: leaves[n].detach().to(dt if n != "initial_state" else torch.float32).requires_grad_() for n in leaves}
-    device = inp["q"].device
+    fn = fused_recurrent_delta_rule if dtype == torch.float32 else chunk_delta_rule
+    x = {n: inp[n].detach().to(dtype if n != "initial_state" else torch.float32).clone().requires_grad_()
+         for n in FIELDS}
 
     def forward():
-        return fn(x["q"], x["k"], x["v"], x["beta"], scale=1.0, initial_state=x["initial_state"], output_final_state=True)
+        return fn(*(x[n] for n in FIELDS[:4]), scale=1.0, initial_state=x["initial_state"], output_final_state=True)
 
-    return time_forward_backward(forward, list(x.values()), device, 3, 20, graph)
+    return forward, list(x.values())
 
 
-def chunk_rows(args, device, backends, repeats) -> None:
+def rule_forward(inp: dict[str, torch.Tensor], rule: str, backend: str):
+    """``(forward, leaves)`` of ``chunk_rule`` on ``backend`` with ``inp``'s tensors as fresh leaves (fp32 state)."""
+    x = {n: inp[n].detach().to(torch.float32 if n == "initial_state" else inp[n].dtype).clone().requires_grad_()
+         for n in FIELDS}
+
+    def forward():
+        return chunk_rule(*(x[n] for n in FIELDS[:4]), rule=rule, initial_state=x["initial_state"],
+                          resets=inp["resets"], backend=backend)
+
+    return forward, list(x.values())
+
+
+def fwd_and_fwd_bwd(forward, leaves: list[torch.Tensor]):
+    """``(forward under no_grad, forward + backward of fixed random output gradients)``."""
+    o, s = forward()
+    grad_o, grad_s = torch.randn_like(o), torch.randn_like(s)
+
+    def fwd():
+        with torch.no_grad():
+            return forward()
+
+    def fwd_bwd():
+        for t in leaves:  # no accumulation into old gradients (training sets them to None too)
+            t.grad = None
+        o, s = forward()
+        torch.autograd.backward([o, s], [grad_o, grad_s])
+
+    return fwd, fwd_bwd
+
+
+def _time(fn, device: torch.device, repeats: int) -> float:
+    """Median ms: ``triton.testing.do_bench`` (CUDA events after warm-up) on the GPU, else :func:`median_ms`."""
+    if device.type == "cuda":
+        import triton.testing
+
+        fn()
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return median_ms(fn, device, warmup=2, repeats=repeats)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--rule", choices=("efla", "deltanet"), default="efla")
+    parser.add_argument("--batch", type=int, nargs="+", default=[8, 64], help="B values")
+    parser.add_argument("--head-dim", type=int, nargs="+", default=[16, 32, 64], help="D = K = V values")
+    parser.add_argument("--steps", type=int, default=256, help="T")
+    parser.add_argument("--heads", type=int, default=4, help="H")
+    parser.add_argument("--shapes", nargs="+", default=None, metavar="B,T,H,D",
+                        help="explicit shapes instead of the --batch x --head-dim grid, e.g. 8,256,4,64")
+    parser.add_argument("--dtypes", nargs="+", choices=tuple(DTYPES), default=["float32"],
+                        help="input dtypes (bf16 rows: the triton backend only)")
+    parser.add_argument("--backends", nargs="+", default=None, help="default: every backend available on the device")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=None, help="CPU: timed repeats (default 5)")
+    parser.add_argument("--sequential", action="store_true",
+                        help="CPU: time each backend alone, one after the other, instead of round-robin")
+    parser.add_argument("--fla", action="store_true",
+                        help="add flash-linear-attention rows when importable (GPU): chunk_delta_rule (bf16) and "
+                             "fused_recurrent_delta_rule (fp32), DeltaNet on unit keys, no resets (fla has none)")
+    parser.add_argument("--step", action="store_true", help="add step_rule rows (acting) at --step-batch x --step-dim")
+    parser.add_argument("--step-batch", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--step-dim", type=int, nargs="+", default=[32, 64])
+    parser.add_argument("--skip-chunk", action="store_true", help="only the step rows")
+
+
+def bench_inputs(B: int, T: int, H: int, D: int, rule: str, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
+    """RL-like inputs: EFLA key norms over 1e-2..1e2, β in [0, 1), resets on ~2% of steps, an initial state."""
+    return random_inputs(B, T, H, D, D, rule=rule, dtype=dtype, reset_prob=0.02, key_norms=(1e-2, 1e2),
+                         beta_max=1.0, generator=torch.Generator().manual_seed(0), device=device)
+
+
+def chunk_rows(args: argparse.Namespace, device: torch.device, backends: list[str], repeats: int) -> None:
     shapes = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes] if args.shapes else \
         [(B, args.steps, args.heads, D) for B in args.batch for D in args.head_dim]
     fla = args.fla and device.type == "cuda" and fla_available()
-    graph = device.type == "cuda"  # the fwd+bwd also replayed from a CUDA graph: the kernels without host work
-    print("| rule | B | T | H | D | dtype | backend | fwd ms | fwd+bwd ms |" + (" fwd+bwd ms, CUDA graph |" if graph else "")
-          + " rel. err of o vs fp64 oracle |")
-    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" if graph else ""))
+    cuda = device.type == "cuda"
+    print("| B | T | H | D | rule | dtype | backend | fwd ms | fwd+bwd ms | fwd+bwd ms, CUDA graph |"
+          " rel. err of o vs fp64 oracle |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for B, T, H, D in shapes:
         for dname in args.dtypes:
             dt = DTYPES[dname]
-            inp = make_inputs(B, T, H, D, args.rule, device)
-            inp = {n: (x.to(dt) if x.is_floating_point() and n != "initial_state" else x) for n, x in inp.items()}
-            with torch.no_grad():
-                o_ref, _ = chunk_rule(*(inp[n].double() for n in ("q", "k", "v", "beta")), rule=args.rule,
-                                      initial_state=inp["initial_state"].double(), resets=inp["resets"], backend="reference")
-            rows = [b for b in backends if dt == torch.float32 or b == "triton"]
-            if fla:
-                rows += ["fla_chunk" if dt == torch.bfloat16 else "fla_recurrent"]
-            for backend in rows:
-                if backend in FLA_BACKENDS:  # DeltaNet on unit keys without resets: its own oracle
-                    x = make_inputs(B, T, H, D, "deltanet", device)
-                    x["resets"] = torch.zeros_like(x["resets"])
-                    with torch.no_grad():
-                        ref, _ = chunk_rule(*(x[n].double() for n in ("q", "k", "v", "beta")), rule="deltanet",
-                                            initial_state=x["initial_state"].double(), backend="reference")
-                    fwd, both, o, *replay = time_backend(x, "deltanet", backend, repeats, graph)
-                    rule = "deltanet"
-                else:
-                    fwd, both, o, *replay = time_backend(inp, args.rule, backend, repeats, graph)
-                    ref, rule = o_ref, args.rule
-                err = ((o.double() - ref).norm() / ref.norm()).item()
-                dlabel = {"fla_chunk": "bfloat16", "fla_recurrent": "float32"}.get(backend, dname)
-                cols = "".join(f" {r:.3f} |" if r == r else " n/a |" for r in replay)
-                print(f"| {rule} | {B} | {T} | {H} | {D} | {dlabel} | {backend} | {fwd:.3f} | {both:.3f} |{cols} {err:.1e} |",
-                      flush=True)
+            rows = {}  # label -> (rule, forward, leaves, oracle o)
+            inp = bench_inputs(B, T, H, D, args.rule, dt, device)
+            o_ref = oracle(inp, args.rule)
+            for b in backends:
+                if dt == torch.float32 or b == "triton":
+                    rows[b] = (args.rule, dname, *rule_forward(inp, args.rule, b), o_ref)
+            if fla:  # fla's chunk kernel in bf16, its recurrent one in fp32
+                x = bench_inputs(B, T, H, D, "deltanet", torch.float32, device)
+                x = {**{n: x[n].to(dt) for n in FIELDS[:4]}, "initial_state": x["initial_state"], "resets": x["resets"]}
+                name = "fla_recurrent" if dt == torch.float32 else "fla_chunk"
+                rows[name] = ("deltanet", dname, *fla_delta_rule(x, dt), oracle(x, "deltanet", resets=False))
+            fns = {label: fwd_and_fwd_bwd(fwd, leaves) for label, (_, _, fwd, leaves, _) in rows.items()}
+            if not cuda and not args.sequential:  # round-robin: every backend sees the same machine state
+                ms = interleaved_median_ms({(b, i): f[i] for b, f in fns.items() for i in (0, 1)}, device,
+                                           warmup={(b, i): 2 for b in fns for i in (0, 1)}, repeats=repeats)
+                times = {b: (ms[(b, 0)], ms[(b, 1)], math.nan) for b in fns}
+            else:
+                times = {b: (_time(f[0], device, repeats), _time(f[1], device, repeats),
+                             graph_ms(f[1], rows[b][3]) if cuda else math.nan) for b, f in fns.items()}
+            for label, (rule, dlabel, fwd, _, ref) in rows.items():
+                with torch.no_grad():
+                    err = rel_err(fwd()[0], ref)
+                tf, tfb, tg = times[label]
+                graph = f"{tg:.3f}" if tg == tg else "n/a"
+                print(f"| {B} | {T} | {H} | {D} | {rule} | {dlabel} | {label} | {tf:.3f} | {tfb:.3f} | {graph} | "
+                      f"{err:.1e} |", flush=True)
 
 
-def step_rows(args, device, backends) -> None:
-    """One acting step (fp32 state, resets ~2%): step_rule per backend, fla fused_recurrent with T=1, and the
-    triton step kernel replayed from a CUDA graph."""
-    from rlseq.kernels import step_rule
-
+def step_rows(args: argparse.Namespace, device: torch.device, backends: list[str]) -> None:
+    """One acting step (fp32 state, resets ~2%): step_rule per backend, the triton step kernel replayed from a
+    CUDA graph, and fla's fused_recurrent kernel at T = 1."""
     fla = args.fla and device.type == "cuda" and fla_available()
-    print("\n| rule | B | H | D | what | µs per step | rel. err of o vs fp64 oracle |")
+    print("\n| B | H | D | rule | what | µs per step | rel. err of o vs fp64 oracle |")
     print("|---|---|---|---|---|---|---|")
     H = args.heads
     for B in args.step_batch:
         for D in args.step_dim:
-            inp = make_inputs(B, 1, H, D, args.rule, device)
-            x = {n: inp[n][:, 0] for n in ("q", "k", "v", "beta")}
-            r = torch.rand(B, device=device) < 0.02
-            s_ref = inp["initial_state"].double().clone()
-            o_ref = step_rule(*(t.double() for t in x.values()), s_ref, rule=args.rule, resets=r, backend="reference")
-            cands = [b for b in backends if b != "reference"]
-            for backend in cands:
-                s = inp["initial_state"].clone()
-                o = step_rule(*x.values(), s, rule=args.rule, resets=r, backend=backend)
-                err = ((o.double() - o_ref).norm() / o_ref.norm()).item()
-                s2 = inp["initial_state"].clone()
-                us = _time(lambda: step_rule(*x.values(), s2, rule=args.rule, resets=r, backend=backend), device, 3, 50) * 1e3
-                print(f"| {args.rule} | {B} | {H} | {D} | step_rule {backend} | {us:.1f} | {err:.1e} |", flush=True)
+            inp = bench_inputs(B, 1, H, D, args.rule, torch.float32, device)
+            x = [inp[n][:, 0] for n in FIELDS[:4]]
+            r = inp["resets"][:, 0]
+            s_ref = inp["initial_state"].clone()
+            o_ref = step_rule(*(t.double() for t in x), s_ref, rule=args.rule, resets=r, backend="reference")
+            for backend in [b for b in backends if b != "reference"]:
+                s = inp["initial_state"].float()
+                err = rel_err(step_rule(*x, s, rule=args.rule, resets=r, backend=backend), o_ref)
+                us = _time(lambda: step_rule(*x, s, rule=args.rule, resets=r, backend=backend), device, 50) * 1e3
+                print(f"| {B} | {H} | {D} | {args.rule} | step_rule {backend} | {us:.1f} | {err:.1e} |", flush=True)
                 if backend == "triton" and device.type == "cuda":
                     from rlseq.kernels.triton_ops import step_triton
 
                     out = torch.empty(B, H, D, device=device)
-                    s3 = inp["initial_state"].clone()
-                    stream = torch.cuda.Stream()
-                    stream.wait_stream(torch.cuda.current_stream())
-                    with torch.cuda.stream(stream):
-                        for _ in range(3):
-                            step_triton(*x.values(), s3, rule=args.rule, resets=r, out=out)
-                    torch.cuda.current_stream().wait_stream(stream)
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        step_triton(*x.values(), s3, rule=args.rule, resets=r, out=out)
-                    us = _time(graph.replay, device, 3, 50) * 1e3
-                    print(f"| {args.rule} | {B} | {H} | {D} | triton step kernel, CUDA graph replay | {us:.1f} | {err:.1e} |",
-                          flush=True)
+                    us = graph_ms(lambda: step_triton(*x, s, rule=args.rule, resets=r, out=out), []) * 1e3
+                    print(f"| {B} | {H} | {D} | {args.rule} | triton step kernel, CUDA graph replay | {us:.1f} | "
+                          f"{err:.1e} |", flush=True)
             if fla:
-                from fla.ops.delta_rule import fused_recurrent_delta_rule
-
-                xd = make_inputs(B, 1, H, D, "deltanet", device)
-                args1 = [xd[n] for n in ("q", "k", "v", "beta")]
-                s_ref = xd["initial_state"].double().clone()
-                o_ref = step_rule(*(t[:, 0].double() for t in args1), s_ref, rule="deltanet", backend="reference")
+                xd = bench_inputs(B, 1, H, D, "deltanet", torch.float32, device)
+                forward, _ = fla_delta_rule(xd, torch.float32)
                 with torch.no_grad():
-                    o, _ = fused_recurrent_delta_rule(*args1, scale=1.0, initial_state=xd["initial_state"],
-                                                      output_final_state=True)
-                    err = ((o[:, 0].double() - o_ref).norm() / o_ref.norm()).item()
-                    us = _time(lambda: fused_recurrent_delta_rule(*args1, scale=1.0, initial_state=xd["initial_state"],
-                                                                  output_final_state=True), device, 3, 50) * 1e3
-                print(f"| deltanet | {B} | {H} | {D} | fla fused_recurrent_delta_rule, T=1 | {us:.1f} | {err:.1e} |", flush=True)
+                    err = rel_err(forward()[0], oracle(xd, "deltanet", resets=False))
+                    us = _time(forward, device, 50) * 1e3
+                print(f"| {B} | {H} | {D} | deltanet | fla fused_recurrent_delta_rule, T=1 | {us:.1f} | {err:.1e} |",
+                      flush=True)
+
+
+def main(args: argparse.Namespace) -> None:
+    device = torch.device(args.device)
+    backends = args.backends or [b for b in ("reference", "torch", "triton") if b != "triton" or triton_available(device)]
+    repeats = args.repeats or 5
+    print(describe_environment(device))
+    how = ("triton.testing.do_bench medians after warm-up; the CUDA graph column replays the fwd+bwd from a graph"
+           if device.type == "cuda" else
+           f"median of {repeats} " + ("after warm-up" if args.sequential else
+                                       "round-robin rounds over the rows, each timed call preceded by an untimed one"))
+    print(f"rule {args.rule}, key norms 1e-2..1e2, resets ~2% of steps; {how}\n")
+    if not args.skip_chunk:
+        chunk_rows(args, device, backends, repeats)
+    if args.step:
+        step_rows(args, device, backends)

@@ -11,6 +11,7 @@ from rlseq.kernels.naive import naive_rule, naive_step
 from rlseq.kernels.rules import check_rule
 
 BACKENDS = ("reference", "torch", "triton")
+TRITON_CHUNK = 16  # the triton backend's one chunk length
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -67,6 +68,16 @@ def _check_resets(resets: torch.Tensor, shape: tuple[int, ...], ref: torch.Tenso
         raise ValueError(f"resets is on {resets.device}, but q is on {ref.device}")
 
 
+def _check_beta(beta: torch.Tensor) -> None:
+    """Refuse β < 0: both rules are defined for β ≥ 0 (EFLA's gate 1 − e^{−βλ} would exceed the [0, 1] its kernels
+    assume). One host sync on CUDA; skipped while a CUDA graph is being captured (no sync is allowed there)."""
+    if beta.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    if beta.numel() and bool((beta < 0).any()):
+        raise ValueError(f"beta must be >= 0 (got a minimum of {beta.min().item():.3g}); squash it with a sigmoid "
+                         "or softplus")
+
+
 def chunk_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -85,20 +96,20 @@ def chunk_rule(
         q, k: ``[B, T, H, K]`` queries and keys. Keys are used as given (EFLA wants them raw;
             DeltaNet callers normalise them). Queries are not scaled.
         v: ``[B, T, H, V]`` values.
-        beta: ``[B, T, H]``, any value ``≥ 0``: DeltaNet's step size, EFLA's step length.
+        beta: ``[B, T, H]``, any value ``≥ 0`` (negative values raise): DeltaNet's step size, EFLA's step length.
         rule: ``"efla"`` or ``"deltanet"``.
         initial_state: ``[B, H, K, V]`` float32/float64 state entering step 0, or None for zeros.
         resets: ``[B, T]`` bool; True at t means an episode starts at t: the state before step t is zero
-            (at t = 0 ``initial_state`` is ignored for that sequence).
+            (at t = 0 ``initial_state`` is ignored for that sequence, NaN or inf included).
         backend: ``"reference"`` (the float64-capable step loop, the oracle), ``"torch"`` (chunked, the
             CPU default), ``"triton"`` (the CUDA default), or None for the best available.
-        chunk_size: chunk length of the ``"torch"`` backend (default 16, ~5% faster than 32 on a 2-core CPU;
-            a multiple of 16 or at most 16).
+        chunk_size: chunk length (default 16). The ``"torch"`` backend takes any length ≥ 1; the ``"triton"``
+            backend runs chunks of 16 only and refuses any other value; ``"reference"`` has no chunks and ignores it.
 
     Returns:
         ``o [B, T, H, V]`` in the input dtype, with ``o_t = S_tᵀ q_t`` after the update at t, and the final
         state ``[B, H, K, V]`` in float32 (float64 for float64 inputs). Differentiable with respect to
-        q, k, v, beta and initial_state on every backend.
+        q, k, v, beta and initial_state on every backend. Empty inputs (B, H, K or V = 0) give empty results.
     """
     check_rule(rule)
     _check_dtypes_devices({"q": q, "k": k, "v": v, "beta": beta})
@@ -119,6 +130,15 @@ def chunk_rule(
     backend = _pick_backend(backend, q.device)
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if backend == "triton" and chunk_size not in (None, TRITON_CHUNK):
+        raise ValueError(f"the triton backend runs chunks of {TRITON_CHUNK} only, got chunk_size={chunk_size}; "
+                         f"pass None (or {TRITON_CHUNK}), or use backend='torch' for other chunk lengths")
+    _check_beta(beta)
+    if initial_state is not None and resets is not None:
+        # where, not a product: the state of a sequence that starts an episode at t = 0 is ignored, NaN or not
+        initial_state = initial_state.masked_fill(resets[:, :1, None, None], 0.0)
+    if q.numel() == 0 or v.numel() == 0:
+        backend = "reference"  # nothing to compute: the step loop gives the empty (or zero) results and their grads
 
     if backend == "reference":
         o, s = naive_rule(q, k, v, beta, rule=rule, initial_state=initial_state, resets=resets)
@@ -145,7 +165,7 @@ def step_rule(
     """One step of a delta rule for acting; updates ``state`` in place.
 
     Args:
-        q, k: ``[B, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``.
+        q, k: ``[B, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``, ``≥ 0`` (negative values raise).
         state: ``[B, H, K, V]`` float32 (or float64), updated in place.
         resets: ``[B]`` bool; True zeroes that state before the step.
 
@@ -166,6 +186,9 @@ def step_rule(
     if resets is not None:
         _check_resets(resets, (B,), q)
     backend = _pick_backend(backend, q.device)
+    _check_beta(beta)
+    if q.numel() == 0 or v.numel() == 0:
+        backend = "reference"
 
     if backend == "reference":
         if resets is not None:

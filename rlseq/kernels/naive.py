@@ -52,8 +52,8 @@ def naive_rule(
     state = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(dt)
     outs = []
     for t in range(T):
-        if resets is not None:
-            state = state * (~resets[:, t]).to(dt).view(B, 1, 1, 1)
+        if resets is not None:  # where, not a product: a NaN or inf state must not leak through a reset
+            state = torch.where(resets[:, t].view(B, 1, 1, 1), 0.0, state)
         o, state = naive_step(q[:, t], k[:, t], v[:, t], beta[:, t], state, rule)
         outs.append(o)
     return torch.stack(outs, 1), state

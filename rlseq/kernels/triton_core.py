@@ -1,12 +1,13 @@
 """Shared ``@triton.jit`` pieces of the Triton kernels: the gate of each rule, the segment masks, and the
 unit-lower-triangular inverse of the chunked (WY) form.
 
-One core serves both rules: ``EFLA`` is a ``tl.constexpr`` flag and changes only how the gate is formed
-(mirroring :func:`rlseq.kernels.rules.unit_key_form` element for element):
+One core serves both rules: ``EFLA`` is a ``tl.constexpr`` flag and changes only how the gate is formed. The gate is
+the in-kernel twin of :func:`rlseq.kernels.rules.unit_key_scales` (tests/test_triton.py holds the two together):
 
 - ``deltanet``: ``k̂ = k``, ``g = β``, ``w = β v``;
-- ``efla``: ``λ = ‖k‖²``, ``n = max(√λ, MIN_KEY_NORM)``, ``x = βλ``, ``k̂ = k / n``, ``g = x φ(x) = 1 - e^{-x}``,
-  ``w = β n φ(x) v`` with ``φ`` switched to its Taylor series below ``PHI_TAYLOR_BELOW``.
+- ``efla``: ``n = max(‖k‖, MIN_KEY_NORM)`` (the norm scaled by ``max|k_i|``, so ``‖k‖²`` never overflows),
+  ``x = (βn)·n``, ``k̂ = k / n``, ``g = 1 - e^{-x}``, ``w = (g/n) v``; below ``PHI_TAYLOR_BELOW`` ``g = x φ(x)`` and
+  ``w = βnφ(x) v`` with φ's Taylor series (``1 - e^{-x}`` cancels there). An overflowing x gives ``g = 1``.
 """
 
 from __future__ import annotations
@@ -22,25 +23,37 @@ _PHI_TAYLOR_BELOW = tl.constexpr(float(PHI_TAYLOR_BELOW))
 
 
 @triton.jit
-def phi_exp(x):
-    """``(φ(x), e^{-x})`` for ``x ≥ 0``; φ by its Taylor series below the switch, like ``rules.phi``."""
+def key_norm(k, AXIS: tl.constexpr):
+    """``‖k‖`` along ``AXIS`` (fp32), as the norm of ``k / max|k_i|`` times that maximum: no overflow of ``‖k‖²``."""
+    m = tl.max(tl.abs(k), AXIS)
+    m = tl.where(m > 0, m, 1.0)
+    if AXIS == 0:
+        ks = k / m
+    else:
+        ks = k / m[:, None]
+    return m * tl.sqrt(tl.sum(ks * ks, AXIS))
+
+
+@triton.jit
+def gate_terms(n0, beta):
+    """From the unclamped key norm ``n0`` and ``β ≥ 0``: ``(n, x, e^{-x}, g, φ(x))`` with ``n`` clamped."""
+    n = tl.maximum(n0, _MIN_KEY_NORM)
+    x = beta * n * n  # evaluated left to right: (βn)·n, finite while βn is
     e = tl.exp(-x)
     small = x < _PHI_TAYLOR_BELOW
     xs = tl.where(small, x, 0.0)
     taylor = 1.0 + xs * (-1.0 / 2 + xs * (1.0 / 6 + xs * (-1.0 / 24 + xs * (1.0 / 120 + xs * (-1.0 / 720 + xs / 5040.0)))))
-    xl = tl.where(small, 1.0, x)
-    return tl.where(small, taylor, (1.0 - e) / xl), e
+    g = tl.where(small, x * taylor, 1.0 - e)
+    ph = tl.where(small, taylor, g / tl.where(small, 1.0, x))  # x = inf: φ = 0
+    return n, x, e, g, ph
 
 
 @triton.jit
-def gate_fwd(lam, beta, EFLA: tl.constexpr):
-    """Per row: ``(g, s, n)`` with ``k̂ = k / n`` and ``w = s v``. ``lam = ‖k‖²`` (unused for DeltaNet)."""
+def gate_fwd(n0, beta, EFLA: tl.constexpr):
+    """Per row: ``(g, s, n)`` with ``k̂ = k / n`` and ``w = s v``. ``n0 = ‖k‖`` (:func:`key_norm`; unused for DeltaNet)."""
     if EFLA:
-        n = tl.maximum(tl.sqrt(lam), _MIN_KEY_NORM)
-        x = beta * lam
-        ph, e = phi_exp(x)
-        g = x * ph
-        s = beta * n * ph
+        n, x, e, g, ph = gate_terms(n0, beta)
+        s = tl.where(x < _PHI_TAYLOR_BELOW, beta * n * ph, g / n)
     else:
         n = tl.full(beta.shape, 1.0, tl.float32)
         g = beta
@@ -49,26 +62,21 @@ def gate_fwd(lam, beta, EFLA: tl.constexpr):
 
 
 @triton.jit
-def gate_bwd(k, kh, beta, lam, dkh, dg, dsv, EFLA: tl.constexpr):
+def gate_bwd(kh, beta, n0, dkh, dg, dsv, EFLA: tl.constexpr):
     """Chain ``(dk̂ [C,K], dg [C], dsv [C])`` back to ``(dk [C,K], dβ [C])`` of the raw inputs (fp32 tiles), where
     ``dsv = Σ_v dw·v`` is the gradient of the value scale ``s`` in ``w = s v`` (the caller forms ``dv = s dw``).
     Linear in ``(dk̂, dg, dsv)``: partial sums over V blocks may be chained separately and added."""
     if EFLA:
-        n0 = tl.sqrt(lam)
+        n, x, e, g, ph = gate_terms(n0, beta)
+        # ∂g/∂β = n² e^{-x}, ∂s/∂β = n e^{-x}; n·e first: bounded for β > 0 whatever n is
+        ne = n * e
+        dbeta = (dg * n + dsv) * ne
+        # where the norm is not clamped: k̂ = k/n (projected gradient), ∂g/∂n = 2βn e^{-x}, ∂s/∂n = β(2e^{-x} − φ);
+        # where it is, n is a constant and only k̂ = k/n depends on k
         unc = n0 >= _MIN_KEY_NORM
-        n = tl.maximum(n0, _MIN_KEY_NORM)
-        x = beta * lam
-        ph, e = phi_exp(x)
-        # ∂g/∂β = λ e^{-x}, ∂s/∂β = n e^{-x}: both finite for every key norm
-        dbeta = (dg * lam + dsv * n) * e
-        # k̂ = k / n: projected gradient when √λ is the norm, plain scaling where the norm is clamped
-        proj = tl.sum(kh * dkh, 1)
-        dk = tl.where(unc[:, None], (dkh - kh * proj[:, None]), dkh) / n[:, None]
-        # ∂g/∂k = 2β e^{-x} k;  ∂s/∂k = β (2e^{-x} - φ) k̂ (unclamped), 2β² n φ'(x) k with φ' ≈ -1/2 (clamped, x ≈ 0)
-        dk += (2.0 * beta * e * dg)[:, None] * k
-        cs = tl.where(unc, beta * (2.0 * e - ph), 0.0)
-        cc = tl.where(unc, 0.0, -beta * beta * n)
-        dk += (dsv * cs)[:, None] * kh + (dsv * cc)[:, None] * k
+        proj = tl.where(unc, tl.sum(kh * dkh, 1), 0.0)
+        dn = tl.where(unc, 2.0 * beta * ne * dg + beta * (2.0 * e - ph) * dsv, 0.0)
+        dk = (dkh - proj[:, None] * kh) / n[:, None] + dn[:, None] * kh
     else:
         dbeta = dg + dsv
         dk = dkh
@@ -77,7 +85,7 @@ def gate_bwd(k, kh, beta, lam, dkh, dg, dsv, EFLA: tl.constexpr):
 
 @triton.jit
 def segments(r):
-    """Segment masks of efla.md §3 from one chunk's resets ``r [C]`` (int32, 0 on padded rows).
+    """Segment masks (docs/rules.md §4) from one chunk's resets ``r [C]`` (int32, 0 on padded rows).
 
     Returns ``(seg [C], sees [C] fp32, last [C] fp32, carry scalar fp32)``."""
     seg = tl.cumsum(r, 0)

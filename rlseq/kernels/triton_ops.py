@@ -13,7 +13,7 @@ import triton  # noqa: F401  (fail the import here, not at first use, when trito
 
 from rlseq.kernels.chunk import chunk_torch, step_torch
 from rlseq.kernels.rules import check_rule
-from rlseq.kernels.triton_chunk import ChunkFunction, check_config, chunk_fwd, default_config
+from rlseq.kernels.triton_chunk import ChunkFunction, check_config, chunk_fwd, launch_config
 from rlseq.kernels.triton_step import step_launch
 
 MAX_HEAD_DIM = 256
@@ -37,8 +37,8 @@ def chunk_triton(
     """Chunked delta rule; same contract as :func:`rlseq.kernels.chunk_rule`. Returns ``o`` in the input dtype
     and the final state in float32. Differentiable with respect to q, k, v, beta and initial_state.
 
-    ``config`` overrides keys of :func:`rlseq.kernels.triton_chunk.default_config` (chunk size, dot precision
-    "ieee"/"tf32x3"/"tf32", V blocks, warps, fused or split backward: listed there); for benchmarks and GPU checks.
+    ``config`` overrides keys of :func:`rlseq.kernels.triton_chunk.launch_config` (``prec``, ``block_v``,
+    ``kside_block_v``), so that tests reach every V-block layout at small shapes.
     """
     check_rule(rule)
     if q.dtype == torch.float64:
@@ -47,21 +47,15 @@ def chunk_triton(
     V = v.shape[-1]
     if max(K, V) > MAX_HEAD_DIM:
         raise ValueError(f"the triton backend supports head dims up to {MAX_HEAD_DIM}, got K={K}, V={V}")
-    cfg = default_config(T, K, V, B, H, q.dtype)
-    if config:
-        cfg = check_config(dict(cfg, **config))
+    cfg = dict(launch_config(K, V, B, H, q.dtype), **check_config(config or {}))
     q, k, v, beta = (_contig(x) for x in (q, k, v, beta))
     resets = _contig(resets) if resets is not None else None
-    h0 = _contig(initial_state.float()) if initial_state is not None else None
+    h0 = _contig(initial_state.float()) if initial_state is not None else None  # the cast stays in the graph
     efla = rule == "efla"
-    needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, beta, initial_state))
-    if not needs_grad:
-        o, ht, *_ = chunk_fwd(q, k, v, beta, resets, h0, efla=efla, save=False, cfg=cfg)
-        return o, ht
-    if initial_state is not None and initial_state.dtype != torch.float32:
-        h0 = initial_state.float()  # keep the cast in the graph so the gradient reaches a float64 state
-    return ChunkFunction.apply(q, k, v, beta, h0, resets, efla, cfg)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, beta, initial_state)):
+        return ChunkFunction.apply(q, k, v, beta, h0, resets, efla, cfg)
+    o, ht, _ = chunk_fwd(q, k, v, beta, resets, h0, efla=efla, save=False, cfg=cfg)
+    return o, ht
 
 
 def step_triton(

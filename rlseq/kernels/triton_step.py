@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlseq.kernels.triton_core import gate_fwd
+from rlseq.kernels.triton_core import gate_fwd, key_norm
 
 
 @triton.jit
@@ -33,8 +33,7 @@ def step_kernel(q, k, v, beta, state, resets, o,
     if HAS_RESETS:
         keep = tl.load(resets + b * sr_b).to(tl.int32) == 0
         s = tl.where(keep, s, 0.0)
-    lam = tl.sum(k_r * k_r, 0)
-    g, sc, n = gate_fwd(lam, b_r, EFLA)
+    g, sc, n = gate_fwd(key_norm(k_r, 0), b_r, EFLA)
     if EFLA:
         kh = k_r / n
     else:
