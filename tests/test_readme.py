@@ -22,8 +22,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 
-TINY_TRAIN = ["--total-steps", "64", "--n-envs", "2", "--n-steps", "16", "--n-minibatches", "1",
-              "--checkpoint-every", "32"]
+# enough steps for a POPGym episode to end (rlseq.compare reads the episode returns)
+TINY_TRAIN = ["--total-steps", "512", "--n-envs", "2", "--n-steps", "64", "--n-minibatches", "1",
+              "--checkpoint-every", "256"]
 TINY_BENCH_MEMORY = ["--steps", "64", "--n-envs", "2", "--n-steps", "16", "--n-minibatches", "1", "--episodes", "2",
                      "--jobs", "2"]
 # (pattern on the command, what to do): a reason string skips it, a list is appended to it
