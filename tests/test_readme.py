@@ -36,7 +36,7 @@ RULES: list[tuple[str, str | list[str]]] = [
     (r"-m rlseq\.bench memory --report-only", []),
     (r"-m rlseq\.bench memory --quick", TINY_BENCH_MEMORY),
     (r"-m rlseq\.bench memory", TINY_BENCH_MEMORY + ["--tasks", "popgym-RepeatPreviousEasy-v0", "--variants", "none",
-                                                     "sb3-lstm", "--seeds", "0"]),
+                                                     "sb3-lstm", "--seeds", "0", "--out", "runs/tiny_grid"]),
     (r"-m rlseq\.bench kernels", ["--shapes", "1,20,1,8", "--repeats", "1"]),
     (r"-m rlseq\.bench envs", ["--n-envs", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]),
     (r"-m rlseq\.bench train", ["--env", "popgym-RepeatPreviousEasy-v0", "--n-envs", "2", "--n-steps", "16",
