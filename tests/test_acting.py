@@ -63,6 +63,16 @@ def test_eager_step_equals_policy_forward(memory):
         assert torch.equal(out.obs, torch.as_tensor(obs)) and torch.equal(out.episode_starts, torch.as_tensor(starts))
 
 
+def test_predict_with_a_wrong_episode_start_length_names_the_expected_shape():
+    policy = _policy("efla", spaces.Box(-1.0, 1.0, (4,), np.float32))
+    obs = np.zeros((2, 4), np.float32)
+    actions, state = policy.predict(obs, episode_start=np.ones(2, bool))
+    assert actions.shape == (2,) and state.shape == (2, *policy.memory.state_shape)
+    for bad in (np.ones(3, bool), np.ones((2, 2), bool), np.ones(1, bool)):
+        with pytest.raises(ValueError, match=r"episode_start must have shape \[2\] .*got shape \[" + ", ".join(map(str, bad.shape))):
+            policy.predict(obs, state=state, episode_start=bad)
+
+
 def test_staging_buffers_are_reused_and_rebuilt_when_the_input_changes():
     policy, rng = _policy("efla"), np.random.default_rng(2)
     acting = ActingStep(policy)

@@ -407,8 +407,14 @@ class MemoryPPOPolicy(BasePolicy):
             expected = (n_envs, *self.memory.state_shape)
             if tuple(state_t.shape) != expected:
                 raise ValueError(f"state must have shape {list(expected)} for {n_envs} environments, got {list(state_t.shape)}")
-        starts = torch.zeros(n_envs, dtype=torch.bool, device=self.device) if episode_start is None else \
-            torch.as_tensor(np.asarray(episode_start), device=self.device).bool().reshape(n_envs)
+        if episode_start is None:
+            starts = torch.zeros(n_envs, dtype=torch.bool, device=self.device)
+        else:
+            episode_start = np.asarray(episode_start)
+            if episode_start.size != n_envs:
+                raise ValueError(f"episode_start must have shape [{n_envs}] (one flag per environment of the "
+                                 f"observation), got shape {list(episode_start.shape)}")
+            starts = torch.as_tensor(episode_start, device=self.device).bool().reshape(n_envs)
         with torch.no_grad():
             actions, _, _ = self.forward(obs_tensor, state_t, starts, deterministic=deterministic)
         actions_np = actions.cpu().numpy()
