@@ -205,7 +205,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     if cfg["n_envs"] % cfg["n_minibatches"]:
         raise UsageError(f"--n-minibatches {cfg['n_minibatches']} must divide --n-envs {cfg['n_envs']}")
     if int(cfg.pop("env_groups", 1)) != 1:  # all envs step at once: there is nothing to split
-        raise UsageError("env_groups is no longer supported: remove it from the config (all envs step at once)")
+        raise UsageError("env_groups is not an option of rlseq.train: remove it from the config (all envs step at once)")
     if cfg.get("value_shift") and not cfg.get("gamma"):
         raise UsageError("value_shift needs gamma in the config")
     cfg["amp"] = None if cfg.get("amp") in (None, "none", False) else cfg["amp"]

@@ -284,7 +284,7 @@ def test_save_load_round_trip_with_the_option_on(tmp_path):
 
 
 @pytest.mark.parametrize("value", [None, False])
-def test_a_saved_model_keeps_its_setting_and_a_false_saved_before_the_auto_default_still_loads(tmp_path, value):
+def test_a_saved_model_keeps_its_cuda_graph_train_setting(tmp_path, value):
     model = _cartpole(cuda_graph_train=value)
     model.save(tmp_path / "m.zip")
     with zipfile.ZipFile(tmp_path / "m.zip") as z:

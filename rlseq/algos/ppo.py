@@ -298,6 +298,8 @@ class MemoryPPO(PPO):
                                  batch, clip_range, clip_range_vf)
 
     def _losses_from(self, values, log_prob, entropy, batch, clip_range, clip_range_vf) -> dict[str, torch.Tensor]:
+        """SB3's PPO losses from the policy's ``values``, ``log_prob`` and ``entropy`` (None: estimated from
+        ``log_prob``), each flattened to ``[B·T]``, against ``batch``'s records; 0-dim tensors by name."""
         advantages = batch.advantages.flatten()
         if self.normalize_advantage and advantages.numel() > 1:
             advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
