@@ -117,6 +117,10 @@ def test_multi_input_policy_on_a_vector_only_dict_builds_the_default_width_memor
         assert memory.in_features == 5 and memory.d_model == 128 and memory.out_features == 128
         assert (memory.n_heads, memory.head_dim) == (4, 32)
     assert policy.lstm_output_dim == 128
+    from rlseq.policies.actor_critic import MemoryPPOPolicy
+
+    ours = MemoryPPOPolicy(space, spaces.Discrete(3), lambda _: 1e-3, memory=policy_class.default_memory)
+    assert ours.memory.d_model == 128 and (ours.memory.n_heads, ours.memory.head_dim) == (4, 32)
 
 
 # -- state packing and buffer sizing ------------------------------------------------------------------------

@@ -62,6 +62,7 @@ class MemoryPPO(PPO):
     process's two torch switches are set on entry and restored on exit). Off, acting and training compute the same
     fp32 function, so PPO's first ratio is 1 to fp32 rounding; on, acting (batch ``n_envs``) and training (batch
     ``B × T``) may pick different TF32 kernels and differ by ~1e-3. ``python -m rlseq.train --tf32`` turns it on.
+    It is saved with the model (set ``model.tf32`` after loading to change it).
 
     Speed options, off by default and saved with the model (they live in ``policy_kwargs``):
     ``policy_kwargs=dict(amp_dtype=torch.bfloat16)`` runs the features extractor (the IMPALA CNN) in bf16
