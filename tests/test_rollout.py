@@ -300,3 +300,17 @@ def test_the_cli_config_sets_tf32():
         env.close()
     procgen = resolve(build_parser().parse_args(["--env", "caveflyer"]))
     assert procgen["tf32"] is False  # configs/procgen.yml: exact unless --tf32 or --fast
+
+
+def test_a_config_that_asks_for_env_groups_is_refused_by_name(monkeypatch):
+    import rlseq.train as T
+
+    real = T.load_config
+    for groups, refused in ((1, False), (2, True)):
+        monkeypatch.setattr(T, "load_config", lambda *a, g=groups: {**real(*a), "env_groups": g})
+        args = T.build_parser().parse_args(["--env", "CartPole-v1", "--n-envs", "2", "--n-minibatches", "1"])
+        if refused:
+            with pytest.raises(T.UsageError, match="env_groups is not an option"):
+                T.resolve(args)
+        else:
+            assert "env_groups" not in T.resolve(args)
