@@ -45,8 +45,7 @@ FLAG_TO_KEY = {
     "n_epochs": "n_epochs", "learning_rate": "learning_rate", "reward_scale": "reward_scale",
     "value_shift": "value_shift", "prev_action_reward": "prev_action_reward", "checkpoint_every": "checkpoint_every",
     "normalize_reward": "normalize_reward", "amp": "amp", "fused_adam": "fused_adam", "cuda_graph": "cuda_graph",
-    "cuda_graph_train": "cuda_graph_train", "channels_last": "channels_last", "env_groups": "env_groups",
-    "tf32": "tf32",
+    "cuda_graph_train": "cuda_graph_train", "channels_last": "channels_last", "tf32": "tf32",
 }
 AMP_CHOICES = ("bf16", "none")
 # --fast: what it sets, unless the flag is given itself
@@ -132,9 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory layout for the CNN (cuDNN's tensor-core layout, mostly with --amp bf16; "
                         "config: channels_last; default off)")
-    p.add_argument("--env-groups", type=int, default=None, metavar="G",
-                   help="split the envs into G groups stepped in turn, so that one group's procgen step overlaps the "
-                        "acting of the others (G must divide --n-envs; --algo rlseq; config: env_groups; default 1)")
     p.add_argument("--logdir", default="runs")
     p.add_argument("--tag", default=None, help="suffix of the run's variant folder, e.g. reward1e3")
     p.add_argument("--config", default=None,
@@ -208,11 +204,8 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--n-envs, --n-steps and --total-steps must be >= 1")
     if cfg["n_envs"] % cfg["n_minibatches"]:
         raise UsageError(f"--n-minibatches {cfg['n_minibatches']} must divide --n-envs {cfg['n_envs']}")
-    cfg["env_groups"] = int(cfg.get("env_groups", 1))
-    if cfg["env_groups"] < 1 or cfg["n_envs"] % cfg["env_groups"]:
-        raise UsageError(f"--env-groups {cfg['env_groups']} must be >= 1 and divide --n-envs {cfg['n_envs']}")
-    if cfg["env_groups"] > 1 and args.algo != "rlseq":
-        raise UsageError("--env-groups needs --algo rlseq (sb3-contrib's RecurrentPPO steps all envs at once)")
+    if int(cfg.pop("env_groups", 1)) != 1:  # all envs step at once: there is nothing to split
+        raise UsageError("env_groups is not an option of rlseq.train: remove it from the config (all envs step at once)")
     if cfg.get("value_shift") and not cfg.get("gamma"):
         raise UsageError("value_shift needs gamma in the config")
     cfg["amp"] = None if cfg.get("amp") in (None, "none", False) else cfg["amp"]
@@ -306,10 +299,6 @@ def _family(cfg: dict[str, Any]) -> str:
 def make_env(cfg: dict[str, Any], *, seed: int, n_envs: int | None = None, training: bool = True):
     """procgen (or a gymnasium env: :func:`rlseq.envs.make_gym`, env ``i`` seeded ``seed + i``) → ScaleReward →
     PotentialValueShift → PrevActionReward → VecNormalize (rewards only).
-
-    With ``env_groups: G > 1`` (training only; evaluation steps one stack), ``G`` such stacks of ``n_envs / G``
-    envs, seeded ``seed + g * n_envs / G``, in a :class:`~rlseq.envs.VecEnvGroups` whose VecNormalize wrappers
-    share one reward statistic.
     """
     from gymnasium import spaces
     from stable_baselines3.common.vec_env import VecNormalize
@@ -318,17 +307,12 @@ def make_env(cfg: dict[str, Any], *, seed: int, n_envs: int | None = None, train
         PotentialValueShift,
         PrevActionReward,
         ScaleReward,
-        VecEnvGroups,
         make_gym,
         make_procgen,
         resolve_env_id,
     )
 
     n_envs = n_envs or cfg["n_envs"]
-    n_groups = int(cfg.get("env_groups", 1)) if training else 1
-    if n_groups > 1:
-        stack = {**cfg, "env_groups": 1}
-        return VecEnvGroups.build(lambda n, s: make_env(stack, seed=s, n_envs=n), n_envs, n_groups, seed=seed)
     procgen = _family(cfg) == "procgen"
     if procgen:
         venv = make_procgen(cfg["env"], n_envs, seed=seed, **cfg.get("env_kwargs", {}))
@@ -401,7 +385,7 @@ def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | No
             policy_kwargs.update(channels_last=True)
         policy = {"image": "CnnPolicy", "vector": "MlpPolicy", "dict": "MultiInputPolicy"}[kind]
         return MemoryPPO(policy, env, n_minibatches=cfg["n_minibatches"], policy_kwargs=policy_kwargs,
-                         cuda_graph=cfg.get("cuda_graph", True),
+                         cuda_graph=cfg.get("cuda_graph", True), tf32=cfg.get("tf32", False),
                          cuda_graph_train=cuda_graph_train_arg(cfg.get("cuda_graph_train", "auto")), **common)
     from sb3_contrib import RecurrentPPO
 
@@ -494,6 +478,7 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
         if cfg["algo"] == "rlseq":
             # how acting and training are launched, not what they compute: the flags decide
             model.cuda_graph, model.cuda_graph_train = cfg["cuda_graph"], cuda_graph_train_arg(cfg["cuda_graph_train"])
+            model.tf32 = cfg["tf32"]
         set_rng_state(torch.load(latest / "rng.pt", weights_only=False))
         print(f"resuming {folder} from {latest.name} ({model.num_timesteps:,} env steps done)", flush=True)
     else:
@@ -520,13 +505,9 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
 
 
 def _load_reward_statistics(checkpoint: Path, env):
-    """``env`` with the VecNormalize statistics saved in ``checkpoint`` (if any); env groups each load them and
-    then share group 0's copy, the one statistic of all envs."""
+    """``env`` with the VecNormalize statistics saved in ``checkpoint`` (if any)."""
     from rlseq.checkpoint import load_vecnormalize
-    from rlseq.envs import VecEnvGroups
 
-    if isinstance(env, VecEnvGroups):
-        return env.map_groups(lambda group: load_vecnormalize(checkpoint, group))
     return load_vecnormalize(checkpoint, env)
 
 

@@ -63,6 +63,54 @@ def test_eager_step_equals_policy_forward(memory):
         assert torch.equal(out.obs, torch.as_tensor(obs)) and torch.equal(out.episode_starts, torch.as_tensor(starts))
 
 
+def test_predict_with_a_wrong_episode_start_length_names_the_expected_shape():
+    policy = _policy("efla", spaces.Box(-1.0, 1.0, (4,), np.float32))
+    obs = np.zeros((2, 4), np.float32)
+    actions, state = policy.predict(obs, episode_start=np.ones(2, bool))
+    assert actions.shape == (2,) and state.shape == (2, *policy.memory.state_shape)
+    for bad in (np.ones(3, bool), np.ones((2, 2), bool), np.ones(1, bool)):
+        with pytest.raises(ValueError, match=r"episode_start must have shape \[2\] .*got shape \[" + ", ".join(map(str, bad.shape))):
+            policy.predict(obs, state=state, episode_start=bad)
+
+
+def test_acting_leaves_the_process_wide_distribution_validation_alone(monkeypatch):
+    seen = []
+    real = torch.distributions.Categorical.sample
+
+    def sample(self, *args, **kwargs):
+        seen.append((torch.distributions.Distribution._validate_args, self._validate_args))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.distributions.Categorical, "sample", sample)
+    policy = _policy("efla", spaces.Box(-1.0, 1.0, (4,), np.float32))
+    with torch.no_grad():
+        policy.act(torch.zeros(2, 4), policy.initial_state(2), torch.ones(2, dtype=torch.bool))
+    # the global default stays as it was (True under python without -O); only the policy's distribution skips checks
+    assert seen == [(True, False)]
+
+
+@pytest.mark.parametrize("action_space", [spaces.Discrete(5), spaces.MultiDiscrete([3, 4]), spaces.MultiBinary(3),
+                                          spaces.Box(-1.0, 1.0, (2,), np.float32)])
+def test_unvalidated_distributions_equal_sb3s_own(action_space):
+    torch.manual_seed(0)
+    policy = MemoryPPOPolicy(spaces.Box(-1.0, 1.0, (4,), np.float32), action_space, lambda _: 1e-3, memory="none")
+    with torch.no_grad():
+        if hasattr(policy, "log_std"):
+            policy.log_std.normal_()
+        params = policy.action_net(torch.randn(6, policy.action_net.in_features))
+        ours = policy._distribution(params)
+        actions = ours.get_actions()
+        log_prob, entropy = ours.log_prob(actions), ours.entropy()
+        from stable_baselines3.common.distributions import make_proba_distribution
+
+        sb3 = make_proba_distribution(action_space)
+        sb3 = sb3.proba_distribution(params, policy.log_std) if hasattr(policy, "log_std") else \
+            sb3.proba_distribution(action_logits=params)
+    assert torch.equal(log_prob, sb3.log_prob(actions)) and torch.equal(entropy, sb3.entropy())
+    torch_dists = ours.distribution if isinstance(ours.distribution, list) else [ours.distribution]
+    assert not any(d._validate_args for d in torch_dists)
+
+
 def test_staging_buffers_are_reused_and_rebuilt_when_the_input_changes():
     policy, rng = _policy("efla"), np.random.default_rng(2)
     acting = ActingStep(policy)

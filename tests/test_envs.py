@@ -193,7 +193,9 @@ def test_bad_inputs_raise_clear_errors():
         with pytest.raises(ValueError, match="gamma must be"):
             PotentialValueShift(env, 1e4, gamma=bad_gamma)
     with pytest.raises(ValueError, match="shift must be finite"):
-        PotentialValueShift(env, float("inf"))
+        PotentialValueShift(env, float("inf"), gamma=0.99)
+    with pytest.raises(TypeError, match="gamma"):  # no default: it must be the agent's discount factor
+        PotentialValueShift(env, 1e4)
     env.close()
 
     box_actions = ScriptedVecEnv(np.zeros((1, 1)), np.zeros((1, 1)))

@@ -122,7 +122,7 @@ def test_lr_schedule_and_clip_range_changes_reach_the_step_through_its_tensors()
         eager._current_progress_remaining = stepped._current_progress_remaining = progress
         _train_both(eager, stepped, step, seed)
         _assert_same_training(eager, stepped)
-        assert step._lr[0].item() == lr(progress)
+        assert step._adam.lr[0].item() == lr(progress)
         assert (step._clip.eps.item(), step._clip.low.item(), step._clip.high.item()) == \
             (clip(progress), 1 - clip(progress), 1 + clip(progress))
         assert (step._clip_vf.low.item(), step._clip_vf.high.item()) == (-clip(progress), clip(progress))
@@ -284,7 +284,7 @@ def test_save_load_round_trip_with_the_option_on(tmp_path):
 
 
 @pytest.mark.parametrize("value", [None, False])
-def test_a_saved_model_keeps_its_setting_and_a_false_saved_before_the_auto_default_still_loads(tmp_path, value):
+def test_a_saved_model_keeps_its_cuda_graph_train_setting(tmp_path, value):
     model = _cartpole(cuda_graph_train=value)
     model.save(tmp_path / "m.zip")
     with zipfile.ZipFile(tmp_path / "m.zip") as z:

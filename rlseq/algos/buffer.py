@@ -35,11 +35,7 @@ class SequenceRolloutBuffer:
     Shapes: ``[n_steps, n_envs, ...]`` per field; :meth:`minibatches` yields env subsets transposed to
     ``[B, n_steps, ...]``.
 
-    Filling: per step, :meth:`add_step` (what acting knows) then :meth:`add_rewards`, for all envs or, with
-    ``envs=slice(a, b)``, for one contiguous group of envs (tensors ``[b - a, ...]``): the pipelined rollout
-    stores each env group's records when that group acts and its rewards when its step returns. Every env
-    moves through the steps in order; a step is complete when every env has its records and its reward
-    (:attr:`pos`, :attr:`rewards_pos` count the complete steps).
+    Filling: per step, :meth:`add_step` (what acting knows, while the env steps) then :meth:`add_rewards`.
     """
 
     def __init__(self, n_steps: int, n_envs: int, observation_space: spaces.Space, action_space: spaces.Space,
@@ -47,9 +43,8 @@ class SequenceRolloutBuffer:
         self.n_steps, self.n_envs = n_steps, n_envs
         self.observation_space, self.action_space = observation_space, action_space
         self.device, self.gamma, self.gae_lambda = torch.device(device), gamma, gae_lambda
-        # per env, so that env groups can store their slices at their own times (the pipelined rollout)
-        self._steps = np.zeros(n_envs, dtype=np.int64)  # steps stored by add_step
-        self._rewarded = np.zeros(n_envs, dtype=np.int64)  # steps whose reward is stored too
+        self.pos = 0  # steps stored by add_step
+        self.rewards_pos = 0  # steps whose reward is stored too
         self.observations: torch.Tensor | dict[str, torch.Tensor] | None = None
         self.initial_state: torch.Tensor | None = None
         z = lambda dtype=torch.float32: torch.zeros(n_steps, n_envs, dtype=dtype, device=self.device)  # noqa: E731
@@ -63,77 +58,42 @@ class SequenceRolloutBuffer:
 
     def reset(self, initial_state: torch.Tensor) -> None:
         """Start a rollout from the memory ``initial_state [n_envs, ...]`` (copied)."""
-        self._steps[:] = 0
-        self._rewarded[:] = 0
+        self.pos = self.rewards_pos = 0
         self.initial_state = initial_state.detach().clone()
-
-    @property
-    def pos(self) -> int:
-        """Steps whose acting records (:meth:`add_step`) every env has."""
-        return int(self._steps.min())
-
-    @property
-    def rewards_pos(self) -> int:
-        """Steps whose rewards (:meth:`add_rewards`) every env has."""
-        return int(self._rewarded.min())
 
     def _obs_storage(self, obs: torch.Tensor) -> torch.Tensor:
         return torch.zeros(self.n_steps, self.n_envs, *obs.shape[1:], dtype=obs.dtype, device=self.device)
 
-    def _env_slice(self, envs: slice | None) -> slice:
-        if envs is None:
-            return slice(0, self.n_envs)
-        start, stop, stride = envs.indices(self.n_envs)
-        if stride != 1 or start >= stop:
-            raise ValueError(f"envs must be a non-empty contiguous slice of the {self.n_envs} envs, got {envs}")
-        return slice(start, stop)
-
-    @staticmethod
-    def _step_of(counters: np.ndarray, envs: slice) -> int:
-        """The step that the envs ``envs`` are at in ``counters``; they must all be at the same one."""
-        steps = counters[envs]
-        if (steps != steps[0]).any():
-            raise RuntimeError(f"envs {envs.start}..{envs.stop - 1} are at different steps ({sorted(set(steps.tolist()))}): "
-                               "store each env group's records with the same env slice every step")
-        return int(steps[0])
-
     def add_step(self, obs: torch.Tensor | dict[str, torch.Tensor], actions: torch.Tensor,
-                 episode_starts: torch.Tensor, values: torch.Tensor, log_probs: torch.Tensor,
-                 envs: slice | None = None) -> None:
-        """Store what the acting step knows for the envs ``envs`` (a contiguous slice; all by default): tensors
-        ``[n, ...]`` for those ``n`` envs. Their reward follows with :meth:`add_rewards`, so these copies can
-        run while the env steps."""
-        envs = self._env_slice(envs)
-        t = self._step_of(self._steps, envs)
+                 episode_starts: torch.Tensor, values: torch.Tensor, log_probs: torch.Tensor) -> None:
+        """Store what the acting step knows, tensors ``[n_envs, ...]``. The reward follows with
+        :meth:`add_rewards`, so these copies can run while the env steps."""
+        t = self.pos
         if t >= self.n_steps:
             raise RuntimeError(f"the rollout buffer holds {self.n_steps} steps; call reset() first")
-        rewarded = self._step_of(self._rewarded, envs)
-        if rewarded != t:
-            raise RuntimeError(f"step {rewarded} of envs {envs.start}..{envs.stop - 1} has no reward yet: call "
-                               "add_rewards() before the next add_step()")
+        if self.rewards_pos != t:
+            raise RuntimeError(f"step {self.rewards_pos} has no reward yet: call add_rewards() before the next add_step()")
         if isinstance(obs, dict):
             if self.observations is None:
                 self.observations = {k: self._obs_storage(v) for k, v in obs.items()}
             for k, v in obs.items():
-                self.observations[k][t, envs].copy_(v)
+                self.observations[k][t].copy_(v)
         else:
             if self.observations is None:
                 self.observations = self._obs_storage(obs)
-            self.observations[t, envs].copy_(obs)
-        self.actions[t, envs].copy_(actions.reshape(self.actions[t, envs].shape))
-        self.episode_starts[t, envs].copy_(episode_starts)
-        self.values[t, envs].copy_(values)
-        self.log_probs[t, envs].copy_(log_probs)
-        self._steps[envs] += 1
+            self.observations[t].copy_(obs)
+        self.actions[t].copy_(actions.reshape(self.actions[t].shape))
+        self.episode_starts[t].copy_(episode_starts)
+        self.values[t].copy_(values)
+        self.log_probs[t].copy_(log_probs)
+        self.pos += 1
 
-    def add_rewards(self, rewards: torch.Tensor, envs: slice | None = None) -> None:
-        """The rewards ``[n]`` of the envs ``envs`` (all by default) for the step stored last by :meth:`add_step`."""
-        envs = self._env_slice(envs)
-        t = self._step_of(self._rewarded, envs)
-        if self._step_of(self._steps, envs) != t + 1:
+    def add_rewards(self, rewards: torch.Tensor) -> None:
+        """The rewards ``[n_envs]`` of the step stored last by :meth:`add_step`."""
+        if self.pos != self.rewards_pos + 1:
             raise RuntimeError("add_rewards() must follow add_step(), once per step")
-        self.rewards[t, envs].copy_(rewards)
-        self._rewarded[envs] += 1
+        self.rewards[self.rewards_pos].copy_(rewards)
+        self.rewards_pos += 1
 
     @property
     def full(self) -> bool:

@@ -3,18 +3,19 @@
 Built on SB3's :class:`~stable_baselines3.PPO` (logging, schedules, callbacks, save/load, VecNormalize);
 what changes is how rollouts are stored and replayed:
 
-- acting calls the memory's ``step`` with the state kept on the device;
+- acting calls the memory's ``step`` with the state kept on the device (:class:`~rlseq.algos.acting.ActingStep`);
 - the buffer stores the memory state once per environment per rollout (at its start);
 - a minibatch is a subset of environments, each with its full ``n_steps`` sequence; episode starts inside
   a sequence become ``resets`` of one ``chunk_rule`` call (CleanRL's scheme, with the kernel doing resets);
-- on a :class:`~rlseq.envs.groups.VecEnvGroups` of ``G > 1`` env groups the rollout is pipelined: while one
-  group's env step runs on its own threads, the host acts for the next group (:meth:`MemoryPPO.collect_rollouts`).
+- each minibatch update runs eagerly or is replayed from a CUDA graph (:class:`~rlseq.algos.training.TrainStep`).
 """
 
 from __future__ import annotations
 
 import time
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import numpy as np
@@ -25,13 +26,13 @@ from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
 from stable_baselines3.common.utils import FloatSchedule, obs_as_tensor
-from stable_baselines3.common.vec_env import VecEnv, VecNormalize, VecTransposeImage
+from stable_baselines3.common.vec_env import VecEnv, VecTransposeImage
 
 from rlseq.algos.acting import ActingOutput, ActingStep
 from rlseq.algos.buffer import SequenceRolloutBuffer
 from rlseq.algos.phases import PhaseTimer
 from rlseq.algos.training import ClipRange, TrainStep, clip_bounds, graph_obstacles
-from rlseq.envs.groups import VecEnvGroups, concat_obs, concat_step_results, find_env_groups
+from rlseq.envs.wrappers import with_finite_check
 from rlseq.policies.actor_critic import MemoryPPOPolicy
 
 
@@ -51,13 +52,27 @@ class MemoryPPO(PPO):
     ``predict(obs, state, episode_start)`` works as in sb3-contrib's RecurrentPPO, with ``state`` a NumPy
     array ``[n_envs, ...]`` holding the memory.
 
-    Speed options, both off by default and both saved with the model (they live in ``policy_kwargs``):
+    The env: every observation and reward is checked for NaN/inf as it leaves the env, below any
+    ``VecNormalize`` (:func:`~rlseq.envs.wrappers.with_finite_check`), so a bad value raises naming the env, the
+    step and the field before it reaches a running statistic or the loss. On a procgen env a truncated episode
+    is bootstrapped from the value already computed for its last frame (procgen's ``terminal_observation`` is a
+    copy of that frame: :meth:`_bootstrap_truncated`).
+
+    Precision: ``tf32`` (default False) allows TF32 convolutions and matmuls on a GPU while ``learn`` runs (the
+    process's two torch switches are set on entry and restored on exit). Off, acting and training compute the same
+    fp32 function, so PPO's first ratio is 1 to fp32 rounding; on, acting (batch ``n_envs``) and training (batch
+    ``B × T``) may pick different TF32 kernels and differ by ~1e-3. ``python -m rlseq.train --tf32`` turns it on.
+    It is saved with the model (set ``model.tf32`` after loading to change it).
+
+    Speed options, off by default and saved with the model (they live in ``policy_kwargs``):
     ``policy_kwargs=dict(amp_dtype=torch.bfloat16)`` runs the features extractor (the IMPALA CNN) in bf16
     autocast while acting and training, the rest in fp32 (see :class:`MemoryPPOPolicy`);
     ``policy_kwargs=dict(optimizer_kwargs=dict(eps=1e-5, fused=True))`` uses fused Adam.
+
     ``cuda_graph`` (default True) replays the acting step from a CUDA graph on CUDA devices (ignored on the CPU;
     see :class:`~rlseq.algos.acting.ActingStep`): same computation and same random draws, ~100x fewer launches.
     Pass False for a features extractor or memory that cannot be captured.
+
     ``cuda_graph_train`` replays each PPO minibatch update (forward, loss, backward, gradient clipping, fused Adam
     step) from a CUDA graph (see :class:`~rlseq.algos.training.TrainStep`): the same computation in the same order,
     one launch per minibatch instead of hundreds (the learning rate is read from a float32 tensor: a rate that is not a
@@ -65,17 +80,12 @@ class MemoryPPO(PPO):
     ``target_kl=None``, and is not available for the lstm memory (:func:`~rlseq.algos.training.graph_obstacles`
     lists what stands in the way). ``None`` (the default, "auto") uses the graph whenever nothing stands in the way
     and otherwise trains eagerly without a word; ``True`` asks for it: when it cannot be used, ``train()`` warns
-    once why and runs its eager loop; ``False`` always trains eagerly. It is saved with the model: a model saved
-    before the auto default holds ``False`` (set ``model.cuda_graph_train = None`` to let it use the graph). A capture
-    that fails raises, auto or not (an aborted capture can leave the process's CUDA state unusable). With the graph
-    a non-finite loss is found after the last minibatch instead of before the bad update, which (like every later
-    one of that ``train()`` call) is skipped by the optimizer, so the same :class:`FloatingPointError` is raised
-    with the parameters where the eager loop leaves them.
-
-    Env groups: given a :class:`~rlseq.envs.groups.VecEnvGroups` of ``G > 1`` groups (directly, or under SB3's
-    ``VecTransposeImage``), the rollout steps the groups one after the other, each group's env step overlapping
-    the acting of the next group (see :meth:`collect_rollouts`); nothing else to set. Same records, same
-    training; the random draws are taken group by group, so a seeded run differs from a run without groups.
+    once why and runs its eager loop; ``False`` always trains eagerly. It is saved with the model (set
+    ``model.cuda_graph_train`` after loading to change it). A capture that fails raises, auto or not (an aborted
+    capture can leave the process's CUDA state unusable). With the graph a non-finite loss is found after the last
+    minibatch instead of before the bad update, which (like every later one of that ``train()`` call) is skipped by
+    the optimizer, so the same :class:`FloatingPointError` is raised with the parameters where the eager loop
+    leaves them.
     """
 
     policy_aliases: ClassVar[dict[str, type]] = {
@@ -111,6 +121,7 @@ class MemoryPPO(PPO):
         device: torch.device | str = "auto",
         cuda_graph: bool = True,
         cuda_graph_train: bool | None = None,
+        tf32: bool = False,
         _init_setup_model: bool = True,
     ):
         if cuda_graph_train not in (None, True, False):
@@ -120,8 +131,8 @@ class MemoryPPO(PPO):
         self._memory_state: torch.Tensor | None = None
         self.cuda_graph = cuda_graph
         self._acting: ActingStep | None = None
-        self._group_acting: list[ActingStep] = []  # one per env group (own staging buffers and CUDA graph)
         self.cuda_graph_train = None if cuda_graph_train is None else bool(cuda_graph_train)
+        self.tf32 = bool(tf32)
         self._train_step: TrainStep | None = None  # the captured minibatch update (cuda_graph_train)
         self._train_graph_warned: set[str] = set()  # the fallback warnings already given
         self.phases = PhaseTimer()  # enable with model.phases.enabled = True (python -m rlseq.bench train)
@@ -162,15 +173,18 @@ class MemoryPPO(PPO):
             self.clip_range_vf = FloatSchedule(self.clip_range_vf)
 
     def _excluded_save_params(self) -> list[str]:
-        return super()._excluded_save_params() + ["_memory_state", "phases", "_acting", "_group_acting", "_train_step",
+        return super()._excluded_save_params() + ["_memory_state", "phases", "_acting", "_train_step",
                                                   "_train_graph_warned"]
 
-    def get_vec_normalize_env(self) -> VecNormalize | None:
-        """SB3's ``VecNormalize`` of the training env: one that wraps the whole env, else, with env groups inside,
-        group 0's, whose running statistics every group shares (what a checkpoint must save)."""
-        outer = super().get_vec_normalize_env()
-        groups = find_env_groups(self.env) if outer is None and self.env is not None else None
-        return groups.vec_normalize if groups is not None else outer
+    @staticmethod
+    def _wrap_env(env: GymEnv, verbose: int = 0, monitor_wrapper: bool = True) -> VecEnv:
+        """SB3's wrapping, then the finiteness check of :func:`~rlseq.envs.wrappers.with_finite_check`."""
+        return with_finite_check(PPO._wrap_env(env, verbose, monitor_wrapper))
+
+    def learn(self, *args: Any, **kwargs: Any) -> MemoryPPO:
+        """SB3's ``learn`` (same arguments), with TF32 allowed or not as ``tf32`` says (see the class docstring)."""
+        with _tf32(self.tf32):
+            return super().learn(*args, **kwargs)
 
     def _setup_learn(self, total_timesteps: int, callback: MaybeCallback = None, reset_num_timesteps: bool = True,
                      tb_log_name: str = "run", progress_bar: bool = False) -> tuple[int, BaseCallback]:
@@ -179,11 +193,6 @@ class MemoryPPO(PPO):
         if fresh_env or self._memory_state is None:
             # a fresh env starts every episode: the memory starts empty (episode_starts are all True too)
             self._memory_state = self.policy.initial_state(self.n_envs)
-        groups = find_env_groups(self.env)
-        if groups is not None and groups.n_groups > 1 and self._pipelined_groups(self.env) is None:
-            warnings.warn(f"the {groups.n_groups} env groups sit under wrappers other than VecTransposeImage "
-                          f"({self.env!r}): they are stepped all at once, without overlapping env steps and acting",
-                          RuntimeWarning, stacklevel=2)
         return total, callback
 
     # --- acting -----------------------------------------------------------------------------------------
@@ -192,12 +201,15 @@ class MemoryPPO(PPO):
                          n_rollout_steps: int) -> bool:
         """Fill ``rollout_buffer`` with ``n_rollout_steps`` steps of every env, as SB3's PPO does.
 
-        One step is act (all envs) → ``step_async`` → buffer copies → ``step_wait``. On a
-        :class:`~rlseq.envs.groups.VecEnvGroups` of ``G > 1`` groups each step is pipelined instead (see
-        :meth:`_collect_pipelined`); the buffer, ``num_timesteps``, the callbacks and the episode statistics
-        see the same things either way.
+        Each step: act (all envs; the memory state reads the observations) → ``step_async`` → buffer copies (while
+        the env steps) → ``step_wait`` → callbacks → rewards (with the bootstrap of time-limit truncations).
+        Returns False when a callback stops the training; ``_last_obs``, ``_last_episode_starts`` and the memory
+        state are then where the env is (the memory has read every observation the env returned but the last one),
+        so a later ``learn(reset_num_timesteps=False)`` goes on from there; that step's reward is not stored.
         """
         assert self._last_obs is not None and self._memory_state is not None
+        if self._acting is None or self._acting.policy is not self.policy:
+            self._acting = ActingStep(self.policy, cuda_graph=self.cuda_graph and self.device.type == "cuda")
         self.policy.set_training_mode(False)
         rollout_buffer.reset(self._memory_state)
         callback.on_rollout_start()
@@ -205,20 +217,38 @@ class MemoryPPO(PPO):
         # Step under SB3's VecTransposeImage: it transposes every frame on the CPU (~0.5 ms per 64 frames, ~10% of
         # a GPU rollout); the acting step transposes on the device instead. Callbacks see channel-last frames.
         transposer = env if isinstance(env, VecTransposeImage) and not env.skip else None
-        groups = self._pipelined_groups(env)
-        if groups is not None:
-            last = self._collect_pipelined(groups, callback, rollout_buffer, n_rollout_steps, transposer)
-        else:
-            last = self._collect_sequential(env if transposer is None else transposer.venv, callback, rollout_buffer,
-                                            n_rollout_steps, transposer)
-        if last is None:  # a callback stopped the training
-            return False
-        new_obs, dones = last
-        self._last_obs = _sb3_layout(new_obs, transposer)
-        starts = torch.as_tensor(dones, device=self.device).bool()
-        with self.phases("act"), torch.no_grad():
+        venv = env if transposer is None else transposer.venv
+        stand_in = terminal_observation_is_last_seen(venv)
+        obs, phase = _channels_last(self._last_obs, transposer), self.phases
+        for n_steps in range(n_rollout_steps):
+            with phase("act"):
+                step, clipped = self._act(obs, f"acting at env step {self.num_timesteps}", transposer is not None)
+            with phase("env"):
+                venv.step_async(clipped)  # procgen steps on its own threads from here until step_wait
+            with phase("buffer"):
+                rollout_buffer.add_step(step.obs, step.actions, step.episode_starts, step.values, step.log_probs)
+            with phase("env"):
+                new_obs, rewards, dones, infos = venv.step_wait()
+            self.num_timesteps += self.n_envs
+            callback.update_locals(locals())
+            if not callback.on_step():
+                # the memory has read obs: the env's next observation is new_obs, not obs again
+                self._last_obs, self._last_episode_starts = _sb3_layout(new_obs, transposer), dones
+                return False
+            self._update_info_buffer(infos, dones)
+            if stand_in:
+                rewards = self._bootstrap_truncated_from(rewards, dones, infos, step.values)
+            else:
+                rewards = self._bootstrap_truncated(rewards, dones, infos if transposer is None else
+                                                    _transposed_terminals(infos, dones, transposer))
+            with phase("buffer"):
+                rollout_buffer.add_rewards(torch.as_tensor(rewards, device=self.device, dtype=torch.float32))
+            obs, self._last_episode_starts = new_obs, dones
+        self._last_obs = _sb3_layout(obs, transposer)
+        starts = torch.as_tensor(self._last_episode_starts, device=self.device).bool()
+        with phase("act"), torch.no_grad():
             last_values = self.policy.predict_values(obs_as_tensor(self._last_obs, self.device), self._memory_state, starts)
-        with self.phases("buffer"):
+        with phase("buffer"):
             rollout_buffer.compute_returns_and_advantage(last_values, starts)
         self.policy.memory.check_finite(self._memory_state, where=f"acting, rollout ending at env step {self.num_timesteps}")
         self._rollout_seconds = time.perf_counter() - t0
@@ -226,146 +256,36 @@ class MemoryPPO(PPO):
         callback.on_rollout_end()
         return True
 
-    def _collect_sequential(self, env: VecEnv, callback: BaseCallback, rollout_buffer: SequenceRolloutBuffer,
-                            n_rollout_steps: int, transposer: VecTransposeImage | None) -> tuple | None:
-        """All envs at once, each step: act → ``step_async`` → buffer copies (while the env steps) → ``step_wait``.
-        Returns the last ``(new_obs, dones)`` (channel-last under ``transposer``), None when a callback stops."""
-        if self._acting is None or self._acting.policy is not self.policy:
-            self._acting = self._new_acting_step()
-        obs = _channels_last(self._last_obs, transposer)
-        phase = self.phases
-        for n_steps in range(n_rollout_steps):
-            with phase("act"):
-                step, clipped = self._act(self._acting, obs, self._last_episode_starts, self._memory_state,
-                                          f"acting at env step {self.num_timesteps}", transposer is not None)
-            with phase("env"):
-                env.step_async(clipped)  # procgen steps on its own threads from here until step_wait
-            with phase("buffer"):
-                rollout_buffer.add_step(step.obs, step.actions, step.episode_starts, step.values, step.log_probs)
-            with phase("env"):
-                new_obs, rewards, dones, infos = env.step_wait()
-            if not self._end_env_step(callback, locals()):
-                self._last_obs = _sb3_layout(obs, transposer)
-                return None
-            rewards = self._bootstrap_truncated(rewards, dones, infos)
-            with phase("buffer"):
-                rollout_buffer.add_rewards(torch.as_tensor(rewards, device=self.device, dtype=torch.float32))
-                obs, self._last_episode_starts = new_obs, dones
-        return new_obs, dones
-
-    def _collect_pipelined(self, env: VecEnvGroups, callback: BaseCallback, rollout_buffer: SequenceRolloutBuffer,
-                           n_rollout_steps: int, transposer: VecTransposeImage | None) -> tuple | None:
-        """The env groups in turn, each step: for each group ``g``, ``step_group_wait(g)`` (its previous step, which
-        ran on its threads while the other groups acted) → store its rewards → act for ``g`` → ``step_group_async(g)``
-        → store ``g``'s acting records (while it steps).
-
-        Each group acts with its own :class:`ActingStep` on its contiguous slice of the memory state
-        (``self._memory_state[a:b]``, a view updated in place: its address is stable, as a CUDA graph needs) and
-        writes its slice of the buffer. A full step is complete when the last group's step returns: then
-        ``num_timesteps`` grows by ``n_envs`` and the callbacks run once, with that step's ``new_obs``, ``rewards``,
-        ``dones`` and ``infos`` of all envs in env order. A truncated episode is bootstrapped at its group's wait,
-        before that group acts again, so it reads the memory of the episode that ended, as in the sequential loop.
-
-        If a callback stops the training, the steps the other groups already started are finished and left out
-        (not counted, not logged), and ``_last_obs``, ``_last_episode_starts`` and the memory state are where
-        the env now is. Returns the last ``(new_obs, dones)`` of all envs (channel-last under ``transposer``), or
-        None when a callback stopped.
-        """
-        n_groups = env.n_groups
-        if len(self._group_acting) != n_groups or any(a.policy is not self.policy for a in self._group_acting):
-            self._group_acting = [self._new_acting_step() for _ in range(n_groups)]
-        slices = [env.group_slice(g) for g in range(n_groups)]
-        states = [self._memory_state[envs] for envs in slices]  # views: acting updates self._memory_state in place
-        obs_all = _channels_last(self._last_obs, transposer)
-        obs = [_env_slice(obs_all, envs) for envs in slices]
-        starts = [self._last_episode_starts[envs] for envs in slices]
-        results: list[tuple] = [()] * n_groups  # each group's last step_wait result (raw rewards, for the callbacks)
-        first_step, phase = self.num_timesteps, self.phases
-        for n_steps in range(n_rollout_steps + 1):
-            for g, envs in enumerate(slices):
-                if n_steps > 0:  # group g's step n_steps - 1 ran while the groups after it (and before it) acted
-                    with phase("env"):
-                        results[g] = new_obs, rewards, dones, infos = env.step_group_wait(g)
-                    rewards = self._bootstrap_truncated(rewards, dones, infos, envs)
-                    with phase("buffer"):
-                        rollout_buffer.add_rewards(torch.as_tensor(rewards, device=self.device, dtype=torch.float32), envs)
-                    obs[g], starts[g] = new_obs, dones
-                    if g == n_groups - 1:  # every group has finished step n_steps - 1
-                        step_locals = dict(zip(("new_obs", "rewards", "dones", "infos"), concat_step_results(results)),
-                                           env=env, rollout_buffer=rollout_buffer, n_steps=n_steps - 1)
-                        if not self._end_env_step(callback, step_locals):
-                            self._stop_pipelined(env, obs, starts, transposer)
-                            return None
-                if n_steps < n_rollout_steps:
-                    where = f"acting at env step {first_step + n_steps * self.n_envs}, env group {g} (envs " \
-                            f"{envs.start}..{envs.stop - 1})"
-                    with phase("act"):
-                        step, clipped = self._act(self._group_acting[g], obs[g], starts[g], states[g], where,
-                                                  transposer is not None)
-                    with phase("env"):
-                        env.step_group_async(g, clipped)  # runs on the group's own threads until its next wait
-                    with phase("buffer"):
-                        rollout_buffer.add_step(step.obs, step.actions, step.episode_starts, step.values,
-                                                step.log_probs, envs)
-        self._last_episode_starts = np.concatenate(starts)
-        return concat_obs(obs), self._last_episode_starts
-
-    def _stop_pipelined(self, env: VecEnvGroups, obs: list, starts: list, transposer: VecTransposeImage | None) -> None:
-        """After a callback stopped: finish the group steps still in flight (their results are dropped) and leave
-        ``_last_obs`` / ``_last_episode_starts`` where each group's env is."""
-        for g in range(env.n_groups):
-            if env.in_flight(g):
-                obs[g], _, starts[g], _ = env.step_group_wait(g)
-        self._last_obs = _sb3_layout(concat_obs(obs), transposer)
-        self._last_episode_starts = np.concatenate(starts)
-
-    # --- pieces shared by both rollout loops --------------------------------------------------------------
-
-    def _pipelined_groups(self, env: VecEnv) -> VecEnvGroups | None:
-        """The env groups that the rollout can step one by one: a ``VecEnvGroups`` of ``G > 1`` groups, directly
-        or under SB3's ``VecTransposeImage`` (other wrappers above it would be skipped, so none may be there)."""
-        inner = env.venv if isinstance(env, VecTransposeImage) else env
-        return inner if isinstance(inner, VecEnvGroups) and inner.n_groups > 1 else None
-
-    def _new_acting_step(self) -> ActingStep:
-        return ActingStep(self.policy, cuda_graph=self.cuda_graph and self.device.type == "cuda")
-
-    def _act(self, acting: ActingStep, obs, episode_starts: np.ndarray, state: torch.Tensor, where: str,
-             hwc: bool) -> tuple[ActingOutput, np.ndarray]:
-        """One acting step of ``state``'s envs, and the actions the env gets (clipped to a Box action space)."""
-        step = acting.step(obs, episode_starts, state, where=where, hwc=hwc)
+    def _act(self, obs, where: str, hwc: bool) -> tuple[ActingOutput, np.ndarray]:
+        """One acting step of all envs from ``_last_episode_starts`` and the memory state (updated in place), and
+        the actions the env gets (clipped to a Box action space)."""
+        step = self._acting.step(obs, self._last_episode_starts, self._memory_state, where=where, hwc=hwc)
         clipped = step.actions_np
         if isinstance(self.action_space, spaces.Box):
             clipped = np.clip(clipped, self.action_space.low, self.action_space.high)
         return step, clipped
 
-    def _end_env_step(self, callback: BaseCallback, step_locals: dict[str, Any]) -> bool:
-        """Once every env has stepped: count the steps and run the callbacks (False: stop), then log the finished
-        episodes. ``step_locals`` holds the step's ``new_obs``, ``rewards``, ``dones`` and ``infos`` of all envs."""
-        self.num_timesteps += self.n_envs
-        callback.update_locals(step_locals)
-        if not callback.on_step():
-            return False
-        self._update_info_buffer(step_locals["infos"], step_locals["dones"])
-        return True
-
-    def _bootstrap_truncated(self, rewards: np.ndarray, dones: np.ndarray, infos: list[dict],
-                             envs: slice = slice(None)) -> np.ndarray:
-        """Add ``γ V(terminal obs)`` to the reward of episodes cut by a time limit, as SB3's PPO does. The
-        value reads the terminal observation with the memory of the episode that just ended. The arrays are those
-        of the envs ``envs`` (an env group's slice; all envs by default): entry ``i`` is env ``envs.start + i``."""
-        idx = [i for i, d in enumerate(dones) if d and infos[i].get("terminal_observation") is not None
-               and infos[i].get("TimeLimit.truncated", False)]
+    def _bootstrap_truncated(self, rewards: np.ndarray, dones: np.ndarray, infos: list[dict]) -> np.ndarray:
+        """Add ``γ V(terminal obs)`` to the reward of episodes cut by a time limit, as SB3's PPO does. The value
+        reads ``infos[i]["terminal_observation"]`` (in the policy's layout) with the memory of the episode that
+        just ended (the state after this step)."""
+        idx = _truncated(dones, infos, need_terminal=True)
         if not idx:
             return rewards
-        rewards = rewards.copy()
-        states = self._memory_state[envs]
-        for i in idx:
-            obs = self.policy.obs_to_tensor(infos[i]["terminal_observation"])[0]
-            state = states[i : i + 1]
-            no_reset = torch.zeros(1, dtype=torch.bool, device=self.device)
-            rewards[i] += self.gamma * self.policy.predict_values(obs, state, no_reset)[0].item()
-        return rewards
+        terminal = [infos[i]["terminal_observation"] for i in idx]
+        batch = ({k: np.stack([t[k] for t in terminal]) for k in terminal[0]} if isinstance(terminal[0], dict)
+                 else np.stack(terminal))
+        no_reset = torch.zeros(len(idx), dtype=torch.bool, device=self.device)
+        values = self.policy.predict_values(self.policy.obs_to_tensor(batch)[0], self._memory_state[idx], no_reset)
+        return _add_discounted(rewards, idx, self.gamma, values)
+
+    def _bootstrap_truncated_from(self, rewards: np.ndarray, dones: np.ndarray, infos: list[dict],
+                                  step_values: torch.Tensor) -> np.ndarray:
+        """:meth:`_bootstrap_truncated` for an env whose terminal observation is a copy of the last observation
+        the acting step read (procgen: :func:`terminal_observation_is_last_seen`): the memory must not read it
+        twice, so its value is the one that step computed, ``step_values [n_envs]``."""
+        idx = _truncated(dones, infos, need_terminal=False)
+        return _add_discounted(rewards, idx, self.gamma, step_values[idx]) if idx else rewards
 
     # --- training ---------------------------------------------------------------------------------------
 
@@ -379,6 +299,8 @@ class MemoryPPO(PPO):
                                  batch, clip_range, clip_range_vf)
 
     def _losses_from(self, values, log_prob, entropy, batch, clip_range, clip_range_vf) -> dict[str, torch.Tensor]:
+        """SB3's PPO losses from the policy's ``values``, ``log_prob`` and ``entropy`` (None: estimated from
+        ``log_prob``), each flattened to ``[B·T]``, against ``batch``'s records; 0-dim tensors by name."""
         advantages = batch.advantages.flatten()
         if self.normalize_advantage and advantages.numel() > 1:
             advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
@@ -555,11 +477,6 @@ class MemoryPPO(PPO):
             self.logger.record(f"memory/{name}", float(value))
 
 
-def _env_slice(obs: np.ndarray | dict[str, np.ndarray], envs: slice):
-    """The observations of the envs ``envs`` (views)."""
-    return {k: v[envs] for k, v in obs.items()} if isinstance(obs, dict) else obs[envs]
-
-
 def _sb3_layout(obs: np.ndarray | dict[str, np.ndarray], transposer: VecTransposeImage | None):
     """``obs`` as SB3 keeps ``_last_obs``: transposed to CHW by ``transposer``, if any."""
     return obs if transposer is None else transposer.transpose_observations(obs)
@@ -573,3 +490,48 @@ def _channels_last(obs: np.ndarray | dict[str, np.ndarray], transposer: VecTrans
         return {k: np.ascontiguousarray(np.moveaxis(v, 1, -1)) if k in transposer.image_space_keys else v
                 for k, v in obs.items()}
     return np.ascontiguousarray(np.moveaxis(obs, 1, -1))
+
+
+@contextmanager
+def _tf32(allowed: bool) -> Iterator[None]:
+    """TF32 convolutions and matmuls allowed or not inside the block (torch's two process-wide switches)."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = allowed
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def terminal_observation_is_last_seen(env: VecEnv) -> bool:
+    """Whether ``env``'s ``infos[i]["terminal_observation"]`` is a copy of the last observation the agent acted on
+    rather than the observation the episode ended in: true of procgen (:class:`~rlseq.envs.ProcgenVecEnv`, which
+    never shows its final frame), and of any base env with a true ``terminal_observation_is_last_seen``
+    attribute."""
+    from rlseq.envs.procgen import ProcgenVecEnv
+
+    base = env.unwrapped
+    return isinstance(base, ProcgenVecEnv) or bool(getattr(base, "terminal_observation_is_last_seen", False))
+
+
+def _truncated(dones: np.ndarray, infos: list[dict], need_terminal: bool) -> list[int]:
+    """The envs whose episode a time limit cut at this step (with a ``terminal_observation`` if ``need_terminal``)."""
+    return [i for i, done in enumerate(dones) if done and infos[i].get("TimeLimit.truncated", False)
+            and (not need_terminal or infos[i].get("terminal_observation") is not None)]
+
+
+def _add_discounted(rewards: np.ndarray, idx: list[int], gamma: float, values: torch.Tensor) -> np.ndarray:
+    """A copy of ``rewards`` with ``gamma * values[j]`` added to entry ``idx[j]``."""
+    rewards = rewards.copy()
+    rewards[idx] += gamma * values.double().cpu().numpy()
+    return rewards
+
+
+def _transposed_terminals(infos: list[dict], dones: np.ndarray, transposer: VecTransposeImage) -> list[dict]:
+    """``infos`` with the done envs' terminal observations in the policy's (channel-first) layout, as SB3's
+    VecTransposeImage would have returned them (new dicts; ``infos`` itself, which the callbacks saw, is kept)."""
+    out = list(infos)
+    for i in np.flatnonzero(dones):
+        if infos[i].get("terminal_observation") is not None:
+            out[i] = {**infos[i], "terminal_observation": transposer.transpose_observations(infos[i]["terminal_observation"])}
+    return out

@@ -10,12 +10,15 @@ What a graph needs, and how the update provides it:
 - fixed input addresses: each minibatch is copied into static device buffers (:meth:`TrainStep.update`);
 - no host reads: the learning rate and the clip ranges are 0-dim device tensors filled before each ``train()``
   call (:meth:`TrainStep.begin`); a non-finite loss is not checked on the host per minibatch but sets a sticky
-  device flag that the fused Adam kernel reads as ``found_inf`` and then skips the update (its step counts are
+  device flag that the fused Adam kernel reads as its skip flag and then skips the update (its step counts are
   restored too), so the parameters and the optimizer state stay those before the bad minibatch, as when the eager
   loop raises there; the flag and the statistics are read once, after the last minibatch (:meth:`TrainStep.read`);
 - capturable kernels: warm-up updates on a side stream first (lazy initialisation, Triton compilation, Adam's
   state), ``zero_grad(set_to_none=True)`` so that backward makes the gradients in the graph's own memory, and
-  distribution argument checks off (each one is a host sync).
+  the policy's distributions made without argument checks (each one is a host sync).
+
+Everything the graph needs from the optimizer (the tensor learning rate, the skip flag, permission to capture)
+goes through :class:`~rlseq.algos.graph_adam.GraphAdam`, which says which torch mechanisms it relies on.
 
 The same code runs without a graph (``cuda_graph=False``, any device), which is how the CPU tests check it
 against the eager loop of :meth:`MemoryPPO.train`.
@@ -30,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlseq.algos.buffer import SequenceBatch
-from rlseq.policies.actor_critic import _validation_off
+from rlseq.algos.graph_adam import GraphAdam, fused_adam
 
 if TYPE_CHECKING:
     from rlseq.algos.ppo import MemoryPPO
@@ -102,11 +105,6 @@ def graph_obstacles(model: MemoryPPO) -> list[str]:
     return reasons
 
 
-def fused_adam(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` is torch's Adam or AdamW (a subclass of Adam) with ``fused=True`` in every group."""
-    return isinstance(optimizer, torch.optim.Adam) and all(g.get("fused") for g in optimizer.param_groups)
-
-
 class TrainStep:
     """The minibatch updates of one :class:`~rlseq.algos.ppo.MemoryPPO` ``train()`` call, eager or from a CUDA graph.
 
@@ -142,11 +140,10 @@ class TrainStep:
                              f"update of a non-finite loss (got {type(self.policy.optimizer).__name__})")
         self.cuda_graph = cuda_graph
         kw = dict(dtype=torch.float32, device=self.device)
-        self._lr = [torch.zeros((), **kw) for _ in self.policy.optimizer.param_groups]  # per param group
-        self._saved_lr: list[Any] = []  # the groups' own (float) learning rates while a call runs
+        self._adam = GraphAdam(self.device)  # the learning-rate tensors and the skip flag of the optimizer
         self._clip = ClipRange(1.0, self.device)
         self._clip_vf: ClipRange | None = None
-        # 1.0 once a loss was non-finite in this train() call: the optimizer's found_inf (float32, 0-dim: fused Adam
+        # 1.0 once a loss was non-finite in this train() call: the optimizer's skip flag (float32, 0-dim: fused Adam
         # subtracts it from its 0-dim step counts)
         self._bad = torch.zeros((), **kw)
         self._batch: SequenceBatch | None = None  # the static minibatch buffers
@@ -166,15 +163,8 @@ class TrainStep:
     def begin(self, clip_range: float, clip_range_vf: float | None, n_updates: int) -> None:
         """Start a ``train()`` call of ``n_updates`` minibatch updates: the optimizer's learning rates (the floats
         SB3's schedule just set) and the clip ranges go into their device tensors, the flag is cleared."""
-        optimizer = self.policy.optimizer
-        if len(self._lr) != len(optimizer.param_groups):
-            self._lr = [torch.zeros((), dtype=torch.float32, device=self.device) for _ in optimizer.param_groups]
-            self._graph = None  # it reads the old tensors
-        self._saved_lr = [group["lr"] for group in optimizer.param_groups]
-        for group, lr in zip(optimizer.param_groups, self._lr):
-            lr.fill_(float(group["lr"]))
-            group["lr"] = lr  # fused Adam reads a tensor lr in place: replays see each call's value
-        optimizer.found_inf = self._bad
+        if self._adam.attach(self.policy.optimizer, self._bad):
+            self._graph = None  # it reads the old learning-rate tensors
         self._clip.fill(clip_range)
         if clip_range_vf is None:
             self._clip_vf = None
@@ -208,15 +198,9 @@ class TrainStep:
         self._row += 1
 
     def end(self) -> None:
-        """Give the optimizer back its float learning rates and no ``found_inf`` (what the eager loop and
-        checkpoints expect). Safe to call more than once, and after an error in :meth:`update`."""
-        optimizer = self.policy.optimizer
-        if self._saved_lr:
-            for group, lr in zip(optimizer.param_groups, self._saved_lr):
-                group["lr"] = lr
-            self._saved_lr = []
-        if getattr(optimizer, "found_inf", None) is self._bad:
-            del optimizer.found_inf
+        """Give the optimizer back its float learning rates and no skip flag (what the eager loop and checkpoints
+        expect). Safe to call more than once, and after an error in :meth:`update`."""
+        self._adam.detach()
 
     def read(self, recent: int) -> TrainStats:
         """The statistics of this call's updates, with ONE host read (the means, the flag and each update's loss
@@ -237,8 +221,7 @@ class TrainStep:
         """Loss, backward, clipping and the Adam step on the static minibatch; no host syncs (captured as is).
         Returns ``[len(STAT_NAMES) + 1]``: the statistics, then ``isfinite(loss)``."""
         model, optimizer = self.model, self.policy.optimizer
-        with _validation_off():  # torch.distributions' argument checks are host syncs
-            losses = model.ppo_losses(self._batch, self._clip, self._clip_vf)
+        losses = model.ppo_losses(self._batch, self._clip, self._clip_vf)
         loss = losses["loss"]
         finite = torch.isfinite(loss)
         # sticky: once set, every later update of this call is skipped, as the eager loop stops at the bad one
@@ -247,7 +230,7 @@ class TrainStep:
         # non-finite gradients give a NaN norm and NaN gradients; harmless: Adam skips them, the next backward
         # overwrites them
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), model.max_grad_norm)
-        optimizer.step()  # fused Adam: does nothing (steps included) when found_inf (self._bad) is 1
+        optimizer.step()  # fused Adam: does nothing (steps included) when its skip flag (self._bad) is 1
         return torch.stack([*(losses[name].detach().float() for name in STAT_NAMES[:-1]), grad_norm.detach().float(),
                             finite.float()])
 
@@ -269,22 +252,15 @@ class TrainStep:
         """Capture the update of the staged minibatch and replay it (capture does not execute)."""
         optimizer = self.policy.optimizer
         optimizer.zero_grad(set_to_none=True)  # backward makes .grad in the graph's pool; replays overwrite them
-        capturable = [group["capturable"] for group in optimizer.param_groups]
         graph = torch.cuda.CUDAGraph()
         try:
-            # torch refuses to capture step() unless capturable; the fused kernel computes the same either way
-            for group in optimizer.param_groups:
-                group["capturable"] = True
-            with torch.cuda.graph(graph):
+            with GraphAdam.capturing(optimizer), torch.cuda.graph(graph):
                 out = self._update()
         except Exception as err:
             raise RuntimeError(
                 f"capturing the PPO minibatch update of the {self.policy.memory.name} memory in a CUDA graph failed "
                 f"({type(err).__name__}: {err}); rerun with MemoryPPO(..., cuda_graph_train=False) or "
                 "--no-cuda-graph-train (--resume continues from the last checkpoint)") from err
-        finally:
-            for group, flag in zip(optimizer.param_groups, capturable):
-                group["capturable"] = flag
         self._graph, self._out, self._graph_key = graph, out, self._key()
         graph.replay()
         return out

@@ -18,14 +18,12 @@ baseline of ``rlseq-lstm``) use the IMPALA CNN of the config.
 Speed settings, labelled in the tables: ``--tf32`` (TF32 convolutions and matmuls for every variant; off by
 default, as in ``python -m rlseq.train``, so the baseline is true fp32), ``--amp bf16`` (the CNN in bf16
 autocast), ``--fused-adam``, ``--cuda-graph`` (acting replayed from a CUDA graph), ``--cuda-graph-train`` (each PPO
-minibatch update replayed from a CUDA graph; needs fused Adam), ``--channels-last`` (NHWC CNN) and ``--env-groups G``
-(the envs in G groups whose env steps overlap the other groups' acting; options ``bf16``, ``fused``, ``graph``,
-``tgraph``, ``nhwc``, ``groupsG`` such as ``groups2``), all but TF32 for the rlseq variants only
+minibatch update replayed from a CUDA graph; needs fused Adam) and ``--channels-last`` (NHWC CNN) (options ``bf16``,
+``fused``, ``graph``, ``tgraph``, ``nhwc``), all but TF32 for the rlseq variants only
 (the sb3 variants stay stock). A variant may also carry its own settings after ``+``, so one call compares them
 side by side in one process::
 
     python -m rlseq.bench train --variants rlseq-efla rlseq-efla+graph rlseq-efla+graph+bf16+fused+tf32
-    python -m rlseq.bench train --variants rlseq-efla+graph+bf16+fused+nhwc+tf32 rlseq-efla+graph+bf16+fused+nhwc+tf32+groups2
     python -m rlseq.bench train --variants rlseq-efla+graph+bf16+fused+nhwc+tf32 rlseq-efla+graph+bf16+fused+nhwc+tf32+tgraph
 
 With ``tgraph`` the training phases ``train_forward``, ``train_backward`` and ``optimizer`` become one phase,
@@ -43,7 +41,7 @@ from rlseq.bench.timing import describe_environment
 
 VARIANTS = ("rlseq-none", "rlseq-efla", "rlseq-deltanet", "rlseq-gru", "rlseq-lstm", "sb3-lstm", "sb3-lstm-impala", "sb3-ppo")
 # per-variant settings: VARIANT+OPTION[+OPTION...]
-OPTIONS = ("bf16", "fused", "tf32", "graph", "tgraph", "nhwc", "groups2")
+OPTIONS = ("bf16", "fused", "tf32", "graph", "tgraph", "nhwc")
 # train_step: a minibatch update replayed from a CUDA graph (tgraph), in place of train_forward/backward/optimizer
 PHASES = ("env", "act", "buffer", "train_forward", "train_backward", "optimizer", "train_step", "diagnostics")
 
@@ -51,8 +49,7 @@ PHASES = ("env", "act", "buffer", "train_forward", "train_backward", "optimizer"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", default="caveflyer")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), type=_variant, metavar="VARIANT[+OPTION]",
-                        help=f"{', '.join(VARIANTS)}; options (rlseq variants): {', '.join(OPTIONS)} (groupsG: any G "
-                             ">= 1; tf32: any variant)")
+                        help=f"{', '.join(VARIANTS)}; options (rlseq variants): {', '.join(OPTIONS)} (tf32: any variant)")
     parser.add_argument("--n-envs", type=int, default=None, help="default: the config's (64)")
     parser.add_argument("--n-steps", type=int, default=None, help="default: the config's (256)")
     parser.add_argument("--n-minibatches", type=int, default=None)
@@ -71,9 +68,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cuda-graph-train", action="store_true",
                         help="minibatch updates replayed from a CUDA graph for the rlseq variants (GPU, fused Adam)")
     parser.add_argument("--channels-last", action="store_true", help="NHWC layout for the rlseq variants' CNN")
-    parser.add_argument("--env-groups", type=int, default=1, metavar="G",
-                        help="env groups of the rlseq variants (option groupsG): one group's env step overlaps the "
-                             "others' acting")
 
 
 def _variant(name: str) -> str:
@@ -82,9 +76,8 @@ def _variant(name: str) -> str:
     if base not in VARIANTS:
         raise argparse.ArgumentTypeError(f"unknown variant {base!r}; valid: {', '.join(VARIANTS)}")
     for option in options:
-        if option not in OPTIONS and _groups_option(option) is None:
-            raise argparse.ArgumentTypeError(f"unknown option {option!r} of {name}; valid: {', '.join(OPTIONS)} "
-                                             "(groupsG for any G >= 1)")
+        if option not in OPTIONS:
+            raise argparse.ArgumentTypeError(f"unknown option {option!r} of {name}; valid: {', '.join(OPTIONS)}")
         if option != "tf32" and not base.startswith("rlseq-"):
             raise argparse.ArgumentTypeError(f"{option} applies to the rlseq variants only, not {base}")
         if option == "tgraph" and _train_graph_obstacle(base) is not None:
@@ -100,35 +93,25 @@ def _train_graph_obstacle(base: str) -> str | None:
     return memory_class(base.removeprefix("rlseq-")).train_graph_obstacle if base.startswith("rlseq-") else None
 
 
-def _groups_option(option: str) -> int | None:
-    """G of a ``groupsG`` option (G >= 1), else None."""
-    count = option.removeprefix("groups")
-    return int(count) if option.startswith("groups") and count.isdigit() and int(count) >= 1 else None
-
-
 def settings(variant: str, args: argparse.Namespace) -> dict:
-    """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last", "env_groups"}`` of one
+    """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last"}`` of one
     variant: the flags plus its ``+`` options. Everything but TF32 only ever applies to the rlseq variants, and
     ``--cuda-graph-train`` not to a memory whose training pass cannot be captured (rlseq-lstm). ``cuda_graph_train`` is
     always True or False, never ``python -m rlseq.train``'s auto: only tgraph (or ``--cuda-graph-train``) turns it on."""
     base, *options = variant.split("+")
     rlseq = base.startswith("rlseq-")
-    groups = [g for g in map(_groups_option, options) if g is not None]
     return {"tf32": bool(args.tf32) or "tf32" in options,
             "amp": "bf16" if rlseq and (args.amp == "bf16" or "bf16" in options) else None,
             "fused_adam": rlseq and (bool(args.fused_adam) or "fused" in options),
             "cuda_graph": rlseq and (bool(args.cuda_graph) or "graph" in options),
             "cuda_graph_train": rlseq and ("tgraph" in options or (bool(args.cuda_graph_train) and _train_graph_obstacle(base) is None)),
-            "channels_last": rlseq and (bool(args.channels_last) or "nhwc" in options),
-            "env_groups": (groups[-1] if groups else args.env_groups) if rlseq else 1}
+            "channels_last": rlseq and (bool(args.channels_last) or "nhwc" in options)}
 
 
 def describe_settings(s: dict) -> str:
-    groups = s.get("env_groups", 1)
     return (f"TF32 {'on' if s['tf32'] else 'off'}, CNN {s['amp'] or 'fp32'}, Adam {'fused' if s['fused_adam'] else 'unfused'}, "
             f"acting {'CUDA graph' if s.get('cuda_graph') else 'eager'}, CNN layout {'NHWC' if s.get('channels_last') else 'NCHW'}"
-            + (", training CUDA graph" if s.get("cuda_graph_train") else "")
-            + (f", {groups} env groups" if groups > 1 else ""))
+            + (", training CUDA graph" if s.get("cuda_graph_train") else ""))
 
 
 def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None = None) -> dict:
@@ -141,8 +124,7 @@ def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None
                  "--tf32" if speed["tf32"] else "--no-tf32",
                  "--cuda-graph" if speed["cuda_graph"] else "--no-cuda-graph",
                  "--cuda-graph-train" if speed["cuda_graph_train"] else "--no-cuda-graph-train",
-                 "--channels-last" if speed["channels_last"] else "--no-channels-last",
-                 "--env-groups", str(speed["env_groups"])]
+                 "--channels-last" if speed["channels_last"] else "--no-channels-last"]
     for flag in ("n_envs", "n_steps", "n_minibatches", "n_epochs", "num_threads"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]

@@ -13,9 +13,8 @@
 * :class:`PotentialValueShift`: value targets + shift, same optimal policy.
 * :class:`PrevActionReward`: Dict observation with previous action/reward.
 * :class:`ScaledReturnLogger`: SB3 callback logging the scaled return.
-* :class:`VecEnvGroups`: several env stacks as one VecEnv, also stepped one
-  group at a time (MemoryPPO overlaps one group's env step with the acting
-  of the others).
+* :class:`VecCheckFinite`: raises on a NaN/inf observation or reward, naming
+  the env, the step and the field.
 
 Importing this package is cheap: the submodules (which import SB3, and in
 turn torch) load on first attribute access, and procgen itself loads only
@@ -48,7 +47,7 @@ _EXPORTS = {
     "PotentialValueShift": "wrappers",
     "PrevActionReward": "wrappers",
     "ScaledReturnLogger": "wrappers",
-    "VecEnvGroups": "groups",
+    "VecCheckFinite": "wrappers",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -61,7 +60,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         make_procgen,
         normalize_procgen_name,
     )
-    from .groups import VecEnvGroups
     from .gym import (
         CombinedExtractor,
         EnvId,
@@ -74,7 +72,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
         resolve_env_id,
         suggest_env_ids,
     )
-    from .wrappers import PotentialValueShift, PrevActionReward, ScaledReturnLogger, ScaleReward
+    from .wrappers import PotentialValueShift, PrevActionReward, ScaledReturnLogger, ScaleReward, VecCheckFinite
 
 
 __getattr__, __dir__ = lazy_exports(__name__, globals(), _EXPORTS)

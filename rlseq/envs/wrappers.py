@@ -37,9 +37,11 @@ from typing import Any
 import numpy as np
 from gymnasium import spaces
 from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.vec_env import VecNormalize, VecTransposeImage
 from stable_baselines3.common.vec_env.base_vec_env import VecEnv, VecEnvObs, VecEnvStepReturn, VecEnvWrapper
 
-__all__ = ["ScaleReward", "PotentialValueShift", "PrevActionReward", "ScaledReturnLogger"]
+__all__ = ["ScaleReward", "PotentialValueShift", "PrevActionReward", "ScaledReturnLogger", "VecCheckFinite",
+           "with_finite_check"]
 
 
 def _finite_float(name: str, value: Any) -> float:
@@ -141,8 +143,8 @@ class PotentialValueShift(_RewardTransform):
     would reward or punish ending episodes early; the terminal ``+shift``
     is exactly what cancels that.
 
-    ``gamma`` must equal the agent's discount factor, otherwise the shaping no
-    longer telescopes and the task does change.
+    ``gamma`` (required, no default) must equal the agent's discount factor,
+    otherwise the shaping no longer telescopes and the task does change.
 
     Time-limit truncation: a truncated episode did not reach a terminal state,
     so its last state keeps the potential ``-shift``.  With
@@ -157,7 +159,7 @@ class PotentialValueShift(_RewardTransform):
     only :math:`\text{shift}(1-\gamma^T)` and *does* change the task.
     """
 
-    def __init__(self, venv: VecEnv, shift: float, gamma: float = 0.999, *, bootstrap_truncation: bool = True) -> None:
+    def __init__(self, venv: VecEnv, shift: float, gamma: float, *, bootstrap_truncation: bool = True) -> None:
         shift = _finite_float("shift", shift)
         gamma = _finite_float("gamma", gamma)
         if not 0.0 < gamma <= 1.0:
@@ -277,3 +279,79 @@ class ScaledReturnLogger(BaseCallback):
         values = [ep["r_scaled"] for ep in buffer if "r_scaled" in ep]
         if values:
             self.logger.record("rollout/ep_rew_scaled_mean", float(np.mean(values)))
+
+
+class VecCheckFinite(VecEnvWrapper):
+    """Raise as soon as the wrapped env returns a NaN or inf observation or reward, naming the env index, the step
+    and the field (``reward``, ``observation``, ``observation['key']``, or a done env's ``terminal_observation``).
+
+    SB3's ``VecCheckNan`` names the field but not the env; this check also costs one ``np.isfinite`` per
+    floating-point array per step (integer arrays, such as uint8 images, are finite by construction). Steps are
+    counted from the wrapper's creation (step 1 is the first ``step_wait``; step 0 is a ``reset``). Raises
+    :class:`FloatingPointError`. :func:`with_finite_check` puts one below every ``VecNormalize`` of a stack, so a
+    bad value is reported before it turns a running statistic NaN.
+    """
+
+    def __init__(self, venv: VecEnv) -> None:
+        super().__init__(venv)
+        self.steps = 0
+
+    def reset(self) -> VecEnvObs:
+        obs = self.venv.reset()
+        self._check_obs(obs, "observation", "after reset")
+        return obs
+
+    def step_wait(self) -> VecEnvStepReturn:
+        obs, rewards, dones, infos = self.venv.step_wait()
+        self.steps += 1
+        at = f"at step {self.steps} (counted from the wrapper's creation)"
+        self._check(np.asarray(rewards), "reward", at)
+        self._check_obs(obs, "observation", at)
+        for i in np.flatnonzero(np.asarray(dones)):
+            terminal = infos[i].get("terminal_observation")
+            if terminal is not None:
+                self._check_obs(terminal, "terminal_observation", at, env=int(i))
+        return obs, rewards, dones, infos
+
+    def _check_obs(self, obs: Any, name: str, at: str, env: int | None = None) -> None:
+        if isinstance(obs, dict):
+            for key, value in obs.items():
+                self._check(np.asarray(value), f"{name}[{key!r}]", at, env)
+        else:
+            self._check(np.asarray(obs), name, at, env)
+
+    @staticmethod
+    def _check(x: np.ndarray, name: str, at: str, env: int | None = None) -> None:
+        """``x``: ``[n_envs, ...]`` (or one env's array when ``env`` is given)."""
+        if x.dtype.kind not in "fc" or np.isfinite(x).all():
+            return
+        if env is None:
+            bad = ~np.isfinite(x.reshape(len(x), -1)).all(axis=1)
+            envs = np.flatnonzero(bad).tolist()
+            first = x[envs[0]]
+        else:
+            envs, first = [env], x
+        value = first.flat[np.flatnonzero(~np.isfinite(first))[0]]
+        raise FloatingPointError(f"non-finite {name} ({value}) from env {envs[0]} {at}"
+                                 + (f"; envs {envs} in all" if len(envs) > 1 else "")
+                                 + ": the env or a reward/observation wrapper produced it")
+
+
+def with_finite_check(venv: VecEnv) -> VecEnv:
+    """``venv`` with a :class:`VecCheckFinite` in its wrapper stack (unchanged if it has one).
+
+    It goes directly below the innermost ``VecNormalize`` or ``VecTransposeImage`` (so that no running statistic
+    ever sees a non-finite value, and a rollout that steps below SB3's ``VecTransposeImage`` still passes through
+    it), or on top of the stack when it has neither. The stack is modified in place: that wrapper's ``venv`` becomes
+    the check.
+    """
+    chain = [venv]
+    while isinstance(chain[-1], VecEnvWrapper):
+        chain.append(chain[-1].venv)
+    if any(isinstance(layer, VecCheckFinite) for layer in chain):
+        return venv
+    above = [layer for layer in chain if isinstance(layer, (VecNormalize, VecTransposeImage))]
+    if not above:
+        return VecCheckFinite(venv)
+    above[-1].venv = VecCheckFinite(above[-1].venv)
+    return venv

@@ -6,19 +6,26 @@ between `efla`, `deltanet`, `gru`, `lstm` and `none`, so comparisons isolate the
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from functools import partial
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 from gymnasium import spaces
-from stable_baselines3.common.distributions import Distribution, make_proba_distribution
+from stable_baselines3.common.distributions import (
+    BernoulliDistribution,
+    CategoricalDistribution,
+    DiagGaussianDistribution,
+    Distribution,
+    MultiCategoricalDistribution,
+    make_proba_distribution,
+)
 from stable_baselines3.common.policies import BasePolicy
 from stable_baselines3.common.preprocessing import is_image_space, preprocess_obs
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor, FlattenExtractor
 from stable_baselines3.common.type_aliases import PyTorchObs, Schedule
 from torch import nn
+from torch.distributions import Bernoulli, Categorical, Normal
 
 from rlseq.policies.memory import Memory, make_memory
 
@@ -51,15 +58,24 @@ def _mlp(in_dim: int, sizes: list[int], activation: type[nn.Module]) -> tuple[nn
     return nn.Sequential(*layers), in_dim
 
 
-@contextmanager
-def _validation_off() -> Iterator[None]:
-    """Turn torch.distributions' argument checks off (each one is a host sync) inside the block."""
-    before = torch.distributions.Distribution._validate_args
-    torch.distributions.Distribution.set_default_validate_args(False)
-    try:
-        yield
-    finally:
-        torch.distributions.Distribution.set_default_validate_args(before)
+def _unvalidated(dist: Distribution, params: torch.Tensor, log_std: torch.Tensor | None) -> Distribution:
+    """SB3's ``dist.proba_distribution(params[, log_std])`` with its torch distributions made with
+    ``validate_args=False``: torch's argument and sample checks are host syncs (one per call, so no CUDA graph could
+    capture them), and the policy checks finiteness itself (:meth:`MemoryPPOPolicy.act` returns a flag, training
+    checks the loss). The same parameters as SB3's own construction, so the same log-probs and entropies."""
+    if isinstance(dist, DiagGaussianDistribution):
+        dist.distribution = Normal(params, torch.ones_like(params) * log_std.exp(), validate_args=False)
+    elif isinstance(dist, CategoricalDistribution):
+        dist.distribution = Categorical(logits=params, validate_args=False)
+    elif isinstance(dist, MultiCategoricalDistribution):
+        dist.distribution = [Categorical(logits=split, validate_args=False)
+                             for split in torch.split(params, list(dist.action_dims), dim=1)]
+    elif isinstance(dist, BernoulliDistribution):
+        dist.distribution = Bernoulli(logits=params, validate_args=False)
+    else:
+        raise TypeError(f"MemoryPPOPolicy does not support {type(dist).__name__} (action spaces: Discrete, "
+                        "MultiDiscrete, MultiBinary, Box)")
+    return dist
 
 
 def _nhwc(x: torch.Tensor) -> torch.Tensor:
@@ -294,9 +310,7 @@ class MemoryPPOPolicy(BasePolicy):
         return self._distribution(mean_actions), values
 
     def _distribution(self, mean_actions: torch.Tensor) -> Distribution:
-        if hasattr(self, "log_std"):
-            return self.action_dist.proba_distribution(mean_actions, self.log_std)
-        return self.action_dist.proba_distribution(action_logits=mean_actions)
+        return _unvalidated(self.action_dist, mean_actions, getattr(self, "log_std", None))
 
     # --- acting: one step, state updated in place -------------------------------------------------------
 
@@ -320,18 +334,16 @@ class MemoryPPOPolicy(BasePolicy):
         Returns ``(actions, values, log_probs, finite)``: ``finite`` is a 0-dim bool tensor, False when the step's
         action parameters or values were NaN/inf. Such a step samples from zeroed action parameters instead of
         failing inside the sampler (a CUDA device assert would end the process without saying where); the caller
-        must check ``finite`` and raise. Distribution argument validation (a host sync) is off here. Finite steps
-        compute exactly what :meth:`forward` computes.
+        must check ``finite`` and raise. Finite steps compute exactly what :meth:`forward` computes.
         """
         mean_actions, values = self._head_outputs(self.memory.step(self.features(obs), state, episode_starts))
         finite = torch.isfinite(mean_actions).all() & torch.isfinite(values).all()
         if hasattr(self, "log_std"):
             finite = finite & torch.isfinite(self.log_std).all()
         mean_actions = torch.where(finite, mean_actions, torch.zeros_like(mean_actions))
-        with _validation_off():
-            dist = self._distribution(mean_actions)
-            actions = dist.get_actions()
-            log_probs = dist.log_prob(actions)
+        dist = self._distribution(mean_actions)
+        actions = dist.get_actions()
+        log_probs = dist.log_prob(actions)
         return actions, values, log_probs, finite
 
     def evaluate_step(
@@ -407,8 +419,14 @@ class MemoryPPOPolicy(BasePolicy):
             expected = (n_envs, *self.memory.state_shape)
             if tuple(state_t.shape) != expected:
                 raise ValueError(f"state must have shape {list(expected)} for {n_envs} environments, got {list(state_t.shape)}")
-        starts = torch.zeros(n_envs, dtype=torch.bool, device=self.device) if episode_start is None else \
-            torch.as_tensor(np.asarray(episode_start), device=self.device).bool().reshape(n_envs)
+        if episode_start is None:
+            starts = torch.zeros(n_envs, dtype=torch.bool, device=self.device)
+        else:
+            episode_start = np.asarray(episode_start)
+            if episode_start.size != n_envs:
+                raise ValueError(f"episode_start must have shape [{n_envs}] (one flag per environment of the "
+                                 f"observation), got shape {list(episode_start.shape)}")
+            starts = torch.as_tensor(episode_start, device=self.device).bool().reshape(n_envs)
         with torch.no_grad():
             actions, _, _ = self.forward(obs_tensor, state_t, starts, deterministic=deterministic)
         actions_np = actions.cpu().numpy()

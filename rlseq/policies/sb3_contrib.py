@@ -136,9 +136,8 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
     (h and c) for EVERY step of every env, as float32 NumPy arrays, whether the critic has a memory or not:
     ``2 · n`` floats per env-step for a state of ``n`` floats. EFLA/DeltaNet defaults (4 heads × 32 × 32 and the
     convolution window, n = 5,248): 41 KiB per env-step, i.e. 656 MiB for 64 envs × 256 steps, and ``get()`` makes
-    a flattened copy of the same size again (the default LSTM, hidden 80: 1.3 KiB per env-step). rlseq's own PPO (``rlseq.algos.MemoryPPO``, the rollout-batch algorithm of the
-    training issue) stores ONE state per env per rollout and trains on whole rollouts; prefer it for
-    large runs.
+    a flattened copy of the same size again (the default LSTM, hidden 80: 1.3 KiB per env-step). rlseq's own PPO (``rlseq.algos.MemoryPPO``) stores ONE state per env per
+    rollout and trains on whole rollouts; prefer it for large runs.
     """
 
     default_memory: ClassVar[str] = "efla"
