@@ -105,8 +105,8 @@ def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2) -> Path:
     if venv is not None:
         venv.save(str(tmp / "vecnormalize.pkl"))
     torch.save(rng_state(), tmp / "rng.pt")
-    files = sorted(f.name for f in tmp.iterdir())
-    meta = {"num_timesteps": model.num_timesteps, "time": time.time(), "files": files}
+    sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+    meta = {"num_timesteps": model.num_timesteps, "time": time.time(), "files": list(sizes), "sizes": sizes}
     (tmp / "meta.json").write_text(json.dumps(meta))
     if final.exists():
         shutil.rmtree(final)
@@ -141,6 +141,9 @@ def checkpoint_problem(folder: Path) -> str | None:
     missing = [name for name in meta.get("files", ["model.zip", "rng.pt"]) if not (folder / name).is_file()]
     if missing:
         return f"{folder / missing[0]} is missing"
+    for name, size in meta.get("sizes", {}).items():
+        if (folder / name).stat().st_size != size:
+            return f"{folder / name} is unreadable (truncated: {(folder / name).stat().st_size} of {size} bytes)"
     checks = [("model.zip", _check_zip), ("rng.pt", lambda p: torch.load(p, weights_only=False)),
               ("vecnormalize.pkl", _check_pickle)]
     for name, check in checks:
@@ -155,7 +158,11 @@ def checkpoint_problem(folder: Path) -> str | None:
 
 
 def _check_zip(path: Path) -> None:
+    """An SB3 model archive whose members all pass their CRC (a truncated one can still open as the torch zip
+    stored inside it, hence the check of SB3's own members)."""
     with zipfile.ZipFile(path) as z:
+        if not {"data", "policy.pth"} <= set(z.namelist()):
+            raise zipfile.BadZipFile("not an SB3 model archive (no data and policy.pth members)")
         bad = z.testzip()
     if bad is not None:
         raise zipfile.BadZipFile(f"member {bad} fails its CRC")
@@ -250,10 +257,18 @@ class CheckpointCallback(BaseCallback):
         if due or (self._stop_asked and checkpoint_problem(self.root / f"step{self.model.num_timesteps}")):
             path = save_checkpoint(self.model, self.root, self.keep)
             self._last = self.model.num_timesteps
+            _flush_event_files(self.logger)  # what was logged up to the checkpoint survives a kill -9
             if self.verbose:
                 print(f"checkpoint: {path}")
         if self._stop_asked:
             self.stopped_by, self.stop_step = self._stop_asked, self.model.num_timesteps
+
+
+def _flush_event_files(logger: Any) -> None:
+    for output in getattr(logger, "output_formats", []):
+        writer = getattr(output, "writer", None)
+        if writer is not None:
+            writer.flush()
 
 
 @contextlib.contextmanager
