@@ -255,9 +255,9 @@ class CheckpointCallback(BaseCallback):
     def _on_rollout_start(self) -> None:
         due = self.model.num_timesteps - self._last >= self.every
         if due or (self._stop_asked and checkpoint_problem(self.root / f"step{self.model.num_timesteps}")):
+            _flush_event_files(self.logger)  # a checkpoint on disk implies the curves up to it are too
             path = save_checkpoint(self.model, self.root, self.keep)
             self._last = self.model.num_timesteps
-            _flush_event_files(self.logger)  # what was logged up to the checkpoint survives a kill -9
             if self.verbose:
                 print(f"checkpoint: {path}")
         if self._stop_asked:

@@ -639,8 +639,9 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     with open(folder / "config.yaml", "w") as f:
         yaml.safe_dump({**cfg, "device": device}, f, sort_keys=True)
     # a resumed run's curves go on from its checkpoint: TensorBoard drops what the killed process logged after it
-    model.set_logger(tensorboard_logger(folder, stdout=bool(args.verbose),
-                                        purge_step=model.num_timesteps + 1 if latest is not None else None))
+    # (all of it when the killed process left no checkpoint)
+    purge_step = model.num_timesteps + 1 if latest is not None else (0 if args.resume else None)
+    model.set_logger(tensorboard_logger(folder, stdout=bool(args.verbose), purge_step=purge_step))
     checkpoints = CheckpointCallback(ckpt_root, cfg["checkpoint_every"])
     callbacks = [ScaledReturnLogger(), checkpoints]
     if device == "cpu":

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -338,20 +339,41 @@ def test_evaluation_levels_are_disjoint_from_a_finite_training_range_and_honest_
     assert evaluation_levels({}, 2**30)["held_out"] is False
 
 
-def test_no_evaluation_level_is_a_training_level(tmp_path, capsys):
-    from rlseq.evaluate import evaluate, main as evaluate_main
+class _RandomAgent:
+    """Stands for a trained model in evaluate(): random actions (what is tested is which levels it meets)."""
 
-    train_main(["--env", "caveflyer", "--memory", "none", "--n-envs", "2", "--n-steps", "16", "--n-minibatches", "1",
-                "--n-epochs", "1", "--num-threads", "0", "--num-levels", "3", "--start-level", "7",
-                "--total-steps", "16", "--logdir", str(tmp_path), "--no-progress-bar"])
-    run = tmp_path / "caveflyer" / "none" / "seed0"
-    res = evaluate(run, 4, n_envs=2, progress=False)
-    assert res["held_out"] and res["start_level"] == 10
-    assert len(res["level_seeds"]) == 4 and all(s >= 10 for s in res["level_seeds"]), res["level_seeds"]
-    capsys.readouterr()
+    @classmethod
+    def load(cls, path, device="auto"):
+        return cls()
+
+    def predict(self, obs, state=None, episode_start=None, deterministic=False):
+        return np.random.randint(0, 15, len(episode_start)), None
+
+
+def test_no_evaluation_level_is_a_training_level(tmp_path, capsys, monkeypatch):
+    import rlseq.train as T
+    from rlseq.evaluate import LEVEL_SEED_END, evaluate, main as evaluate_main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "final_model.zip").write_bytes(b"")
+    # leaper: a random agent's episodes are short. The run trained on all level seeds but the last 1000, so that
+    # levels drawn from the whole seed range (procgen's num_levels=0) would be training levels
+    first = LEVEL_SEED_END - 1000
+    (run / "config.yaml").write_text(yaml.safe_dump({"env": "leaper", "env_family": "procgen", "algo": "rlseq",
+                                                     "gamma": 0.99, "env_kwargs": {"num_levels": first - 7,
+                                                                                   "start_level": 7,
+                                                                                   "num_threads": 0}}))
+    monkeypatch.setattr(T, "_algo_class", lambda cfg: _RandomAgent)
+    np.random.seed(0)
+    res = evaluate(run, 8, n_envs=4, progress=False)
+    assert res["held_out"] and res["start_level"] == first and res["num_levels"] == 1000
+    assert len(res["level_seeds"]) == 8 and all(s >= first for s in res["level_seeds"]), res["level_seeds"]
+    evaluate_main([str(run), "--episodes", "2", "--n-envs", "2"])
+    assert f"held-out levels [{first}, {LEVEL_SEED_END})" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         evaluate_main([str(run), "--episodes", "1", "--start-level", "8"])
-    assert "reaches into the training levels [7, 10)" in capsys.readouterr().err
+    assert f"reaches into the training levels [7, {first})" in capsys.readouterr().err
 
 
 # --- 9. leftovers of killed saves ----------------------------------------------------------------------------
