@@ -121,7 +121,7 @@ def _cuda_graph_train(value: Any) -> str | bool:
     try:
         return parse_cuda_graph_train(value)
     except UsageError as e:
-        raise ValueError(str(e).split(" is not valid; ", 1)[1]) from None
+        raise ValueError("is not valid; " + str(e).split(" is not valid; ", 1)[1]) from None
 
 
 def _amp(value: Any) -> str | None:
@@ -165,7 +165,7 @@ def check_values(cfg: dict[str, Any], origin: dict[str, str]) -> list[str]:
         try:
             cfg[key] = checker(cfg[key])
         except ValueError as e:
-            messages.append(f"{key} {cfg[key]!r} ({origin.get(key, 'config')}) {e}")
+            messages.append(f"{key} {cfg[key]!r} {e} ({origin.get(key, 'config')})")
     return messages
 
 
@@ -699,9 +699,10 @@ def _resume_point(folder: Path) -> Path | None:
 
 # keys a resumed run may change: the budget, the checkpoint interval, how much it prints, where it runs and how
 # acting and training are launched (the same computation); amp, fused_adam and channels_last are the checkpoint's
-# (see _adopt_saved_speed_settings)
+# (see _adopt_saved_speed_settings); a change of TF32 (rounding on a GPU) is stated
 RESUME_FREE_KEYS = frozenset({"n_timesteps", "checkpoint_every", "verbose", "device", "cuda_graph",
-                              "cuda_graph_train", "amp", "fused_adam", "channels_last"})
+                              "cuda_graph_train", "amp", "fused_adam", "channels_last", "tf32"})
+RESUME_STATED_KEYS = ("tf32",)
 
 
 def refuse_changed_settings(cfg: dict[str, Any], folder: Path) -> None:
@@ -714,6 +715,9 @@ def refuse_changed_settings(cfg: dict[str, Any], folder: Path) -> None:
     saved = yaml.safe_load(path.read_text()) or {}
     changed = [f"  {key}: {saved[key]!r} in the run, {cfg[key]!r} now" for key in sorted(set(cfg) & set(saved))
                if key not in RESUME_FREE_KEYS and _comparable(key, cfg[key]) != _comparable(key, saved[key])]
+    for key in RESUME_STATED_KEYS:
+        if key in saved and cfg.get(key) != saved[key]:
+            print(f"note: {key} was {saved[key]!r} in the run and is {cfg.get(key)!r} from now on", file=sys.stderr)
     if changed:
         raise UsageError("\n".join([f"--resume with other settings than the run's ({path}); resume with the same "
                                      "ones (only --total-steps and --checkpoint-every may change), or start a new "

@@ -219,8 +219,7 @@ def test_clip_range_yes_in_yaml_is_refused(tmp_path, capsys, monkeypatch):
     path = _config(tmp_path)
     path.write_text(path.read_text().replace("clip_range: 0.2", "clip_range: yes"))
     lines = _refused(["--env", ENV, "--config", str(path)], tmp_path, capsys, monkeypatch)
-    assert lines == ["error: clip_range True (" + str(path) + ") must be a number (YAML reads yes/no/on/off as "
-                     "booleans)"]
+    assert lines == [f"error: clip_range True must be a number (YAML reads yes/no/on/off as booleans) ({path})"]
 
 
 def test_numeric_strings_are_accepted_for_number_keys(tmp_path):
