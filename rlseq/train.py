@@ -287,7 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RL Zoo-style YAML file keyed by env, with a default entry named procgen, popgym or gym "
                         "(default: configs/procgen.yml, configs/popgym.yml or configs/gym.yml of the repo, by --env)")
     p.add_argument("--checkpoint-every", type=float, default=None, help="env steps between atomic checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue the run folder from its latest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run folder from its newest intact checkpoint (other hyperparameters are refused; "
+                        "--total-steps and --checkpoint-every may change). SIGINT and SIGTERM save a checkpoint at "
+                        "the next rollout start and print this command")
     p.add_argument("--no-progress-bar", action="store_true")
     p.add_argument("--verbose", type=int, default=0)
     return p
