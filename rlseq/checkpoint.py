@@ -192,8 +192,9 @@ def resumable_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
 
 
 def latest_checkpoint(root: Path) -> Path | None:
-    """The newest intact checkpoint folder under ``root``, or None (see :func:`resumable_checkpoint`)."""
-    return resumable_checkpoint(root)[0]
+    """The newest checkpoint folder under ``root`` that holds a ``model.zip``, or None: a cheap look for progress
+    reports, which reads no file (:func:`resumable_checkpoint` checks them)."""
+    return next((folder for folder in checkpoint_folders(root) if (folder / "model.zip").is_file()), None)
 
 
 def remove_stale_temporaries(root: Path) -> list[Path]:

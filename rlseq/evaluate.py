@@ -45,12 +45,12 @@ def evaluation_levels(env_kwargs: dict, start_level: int | None) -> dict:
 
 
 def find_model(run_dir: Path) -> Path:
-    """``final_model.zip``, else the latest checkpoint's model."""
-    from rlseq.checkpoint import latest_checkpoint
+    """``final_model.zip``, else the model of the newest intact checkpoint."""
+    from rlseq.checkpoint import resumable_checkpoint
 
     if (run_dir / "final_model.zip").exists():
         return run_dir / "final_model.zip"
-    latest = latest_checkpoint(run_dir / "checkpoints")
+    latest = resumable_checkpoint(run_dir / "checkpoints")[0]
     if latest is None:
         raise FileNotFoundError(f"{run_dir} has neither final_model.zip nor a checkpoint")
     return latest / "model.zip"

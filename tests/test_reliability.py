@@ -167,10 +167,10 @@ def test_a_signal_saves_a_checkpoint_prints_one_resume_line_and_exits_128_plus_t
     assert last.endswith("resume with: " + shlex.join(["python", "-m", "rlseq.train", *argv, "--resume"]))
     step = last.split("checkpoint step")[1].split()[0]
     folder = _folder(tmp_path) / "checkpoints" / f"step{step}"
-    from rlseq.checkpoint import checkpoint_problem, latest_checkpoint
+    from rlseq.checkpoint import checkpoint_problem, resumable_checkpoint
 
     assert int(step) >= 16 and checkpoint_problem(folder) is None
-    assert latest_checkpoint(folder.parent) == folder
+    assert resumable_checkpoint(folder.parent) == (folder, [])
 
 
 # --- 5. config files and flags -------------------------------------------------------------------------------
