@@ -3,7 +3,9 @@
 A checkpoint is a folder ``checkpoints/step<N>/`` with the model (weights and optimizer), the VecNormalize
 statistics, the RNG states and a small ``meta.json``. It is written under a temporary name and renamed into
 place, and ``checkpoints/latest`` (a one-line file, also replaced atomically) names the newest complete one.
-A crash at any moment leaves either the previous or the new checkpoint, never a torn one.
+A crash at any moment leaves either the previous or the new checkpoint, never a torn one; a disk that tears a
+file anyway (or a hand that edits the folder) is caught on resume: :func:`resumable_checkpoint` takes the newest
+checkpoint whose files all read back, whatever ``latest`` says, and names every newer one it skips and why.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pickle
 import random
 import shutil
+import signal
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -88,7 +93,8 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2) -> Path:
-    """Write ``root/step<N>`` atomically and point ``root/latest`` at it; keep the newest ``keep``."""
+    """Write ``root/step<N>`` atomically and point ``root/latest`` at it; of the older checkpoints keep the newest
+    ``keep - 1`` (a newer one, which a resumed run has not reached again, is never deleted)."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step{model.num_timesteps}"
     tmp = root / f".step{model.num_timesteps}.tmp{os.getpid()}"
@@ -99,24 +105,118 @@ def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2) -> Path:
     if venv is not None:
         venv.save(str(tmp / "vecnormalize.pkl"))
     torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "meta.json").write_text(json.dumps({"num_timesteps": model.num_timesteps, "time": time.time()}))
+    sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+    meta = {"num_timesteps": model.num_timesteps, "time": time.time(), "files": list(sizes), "sizes": sizes}
+    (tmp / "meta.json").write_text(json.dumps(meta))
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
     write_text_atomic(root / "latest", final.name + "\n")
-    steps = sorted((p for p in root.glob("step*") if p.is_dir()), key=lambda p: int(p.name[4:]))
-    for old in steps[:-keep]:
+    older = [p for p in checkpoint_folders(root) if _step(p) < model.num_timesteps]
+    for old in older[keep - 1:]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def latest_checkpoint(root: Path) -> Path | None:
-    """The newest complete checkpoint folder under ``root``, or None."""
+def _step(folder: Path) -> int:
+    return int(folder.name[len("step"):])
+
+
+def checkpoint_folders(root: Path) -> list[Path]:
+    """The ``step<N>`` folders under ``root``, newest (largest N) first, intact or not."""
+    folders = [p for p in root.glob("step*") if p.is_dir() and p.name[len("step"):].isdigit()]
+    return sorted(folders, key=_step, reverse=True)
+
+
+def checkpoint_problem(folder: Path) -> str | None:
+    """Why ``folder`` cannot be resumed from, naming the bad file, or None when every file reads back.
+
+    Reads each file fully (the zip's CRCs, the pickles), so a truncated or torn file is caught here rather than
+    halfway through a resume."""
+    meta_path = folder / "meta.json"
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as e:
+        return f"{meta_path} is unreadable ({e.__class__.__name__}: {e})"
+    missing = [name for name in meta.get("files", ["model.zip", "rng.pt"]) if not (folder / name).is_file()]
+    if missing:
+        return f"{folder / missing[0]} is missing"
+    for name, size in meta.get("sizes", {}).items():
+        if (folder / name).stat().st_size != size:
+            return f"{folder / name} is unreadable (truncated: {(folder / name).stat().st_size} of {size} bytes)"
+    checks = [("model.zip", _check_zip), ("rng.pt", lambda p: torch.load(p, weights_only=False)),
+              ("vecnormalize.pkl", _check_pickle)]
+    for name, check in checks:
+        path = folder / name
+        if not path.exists():
+            continue
+        try:
+            check(path)
+        except Exception as e:  # noqa: BLE001  (any failure to read the file makes the checkpoint unusable)
+            return f"{path} is unreadable ({e.__class__.__name__}: {e})"
+    return None
+
+
+def _check_zip(path: Path) -> None:
+    """An SB3 model archive whose members all pass their CRC (a truncated one can still open as the torch zip
+    stored inside it, hence the check of SB3's own members)."""
+    with zipfile.ZipFile(path) as z:
+        if not {"data", "policy.pth"} <= set(z.namelist()):
+            raise zipfile.BadZipFile("not an SB3 model archive (no data and policy.pth members)")
+        bad = z.testzip()
+    if bad is not None:
+        raise zipfile.BadZipFile(f"member {bad} fails its CRC")
+
+
+def _check_pickle(path: Path) -> None:
+    with open(path, "rb") as f:
+        pickle.load(f)
+
+
+def resumable_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under ``root`` whose files all read back (None if there is none), and one warning
+    per newer checkpoint skipped (naming its bad file) and for a ``latest`` pointer that names something else."""
+    warnings, found = [], None
+    for folder in checkpoint_folders(root):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            found = folder
+            break
+        warnings.append(f"checkpoint {folder.name} is not usable: {problem}")
     pointer = root / "latest"
-    if not pointer.exists():
-        return None
-    path = root / pointer.read_text().strip()
-    return path if (path / "model.zip").exists() else None
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    if found is not None and named != found.name:
+        what = "is missing" if named is None else ("is empty" if not named else f"names {named!r}")
+        warnings.append(f"{pointer} {what}; the newest intact checkpoint is {found.name}")
+    return found, warnings
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    """The newest checkpoint folder under ``root`` that holds a ``model.zip``, or None: a cheap look for progress
+    reports, which reads no file (:func:`resumable_checkpoint` checks them)."""
+    return next((folder for folder in checkpoint_folders(root) if (folder / "model.zip").is_file()), None)
+
+
+def remove_stale_temporaries(root: Path) -> list[Path]:
+    """Delete the ``.step<N>.tmp<pid>`` folders (and ``.latest.tmp<pid>`` files) that a save killed midway left,
+    those whose pid is not a live process; returns what was deleted."""
+    removed = []
+    for path in list(root.glob(".step*.tmp*")) + list(root.glob(".latest.tmp*")):
+        pid = path.name.rsplit(".tmp", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        return True
+    return True
 
 
 def load_vecnormalize(checkpoint: Path, venv):
@@ -126,10 +226,12 @@ def load_vecnormalize(checkpoint: Path, venv):
 
 
 class CheckpointCallback(BaseCallback):
-    """Save an atomic checkpoint every ``every`` env steps.
+    """Save an atomic checkpoint every ``every`` env steps, and once more when asked to stop.
 
     Checked when a rollout starts, i.e. after the previous rollout's update: a checkpoint holds a whole
-    number of rollouts *and* their updates, so resuming repeats no update and skips none.
+    number of rollouts *and* their updates, so resuming repeats no update and skips none. :meth:`request_stop`
+    (a signal handler's call, see :func:`stop_on_signals`) makes the next rollout start save a checkpoint and
+    end training at the following env step; :attr:`stopped_by` then holds the signal number.
     """
 
     def __init__(self, root: Path, every: int, keep: int = 2, verbose: int = 0):
@@ -138,16 +240,51 @@ class CheckpointCallback(BaseCallback):
             raise ValueError(f"checkpoint interval must be >= 1 env step, got {every}")
         self.root, self.every, self.keep = Path(root), int(every), keep
         self._last = 0
+        self._stop_asked: int | None = None
+        self.stopped_by: int | None = None
+        self.stop_step: int | None = None
+
+    def request_stop(self, signum: int) -> None:
+        self._stop_asked = self._stop_asked or signum
 
     def _on_training_start(self) -> None:
         self._last = self.model.num_timesteps
 
     def _on_step(self) -> bool:
-        return True
+        return self.stopped_by is None
 
     def _on_rollout_start(self) -> None:
-        if self.model.num_timesteps - self._last >= self.every:
+        due = self.model.num_timesteps - self._last >= self.every
+        if due or (self._stop_asked and checkpoint_problem(self.root / f"step{self.model.num_timesteps}")):
+            _flush_event_files(self.logger)  # a checkpoint on disk implies the curves up to it are too
             path = save_checkpoint(self.model, self.root, self.keep)
             self._last = self.model.num_timesteps
             if self.verbose:
                 print(f"checkpoint: {path}")
+        if self._stop_asked:
+            self.stopped_by, self.stop_step = self._stop_asked, self.model.num_timesteps
+
+
+def _flush_event_files(logger: Any) -> None:
+    for output in getattr(logger, "output_formats", []):
+        writer = getattr(output, "writer", None)
+        if writer is not None:
+            writer.flush()
+
+
+@contextlib.contextmanager
+def stop_on_signals(callback: CheckpointCallback, signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
+    """While the block runs, SIGINT and SIGTERM ask ``callback`` to checkpoint and stop at the next rollout start
+    instead of killing the process mid-rollout; a second signal raises :class:`KeyboardInterrupt` at once."""
+
+    def handler(signum: int, frame: Any) -> None:
+        if callback._stop_asked:
+            raise KeyboardInterrupt
+        callback.request_stop(signum)
+
+    previous = {s: signal.signal(s, handler) for s in signums}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)

@@ -1,13 +1,15 @@
 """``python -m rlseq.evaluate RUN_DIR --episodes N``: mean and std of the unscaled game return.
 
-Procgen levels: if the run trained on ``num_levels = n > 0`` levels starting at ``start_level = s``, evaluation
-uses the held-out levels from ``s + n`` on. A run on the full distribution (``num_levels = 0``, the default) has
-no held-out set; evaluation then draws fresh level seeds from ``--start-level`` (default 2**30, far from the
-seeds a run meets in practice).
+Procgen levels: a level is a seed in ``[0, 2**31 - 1)``. A run that trained on ``num_levels = n > 0`` levels from
+``start_level = s`` met only the seeds ``[s, s + n)``; evaluation plays the held-out seeds ``[s + n, 2**31 - 1)``
+(or from ``--start-level``, which must not reach into the training range). A run on the full distribution
+(``num_levels = 0``, the default) draws its levels from all seeds (procgen then ignores ``start_level``), so it
+has no held-out set: evaluation draws fresh levels from that same distribution, and says so (``held_out`` False).
+The result lists the level seed of every episode.
 
-Gymnasium envs: evaluation env ``i`` is seeded ``2**20 + seed + i`` (``seed`` is ``--seed``), while training env
-``i`` of a run with seed ``s`` was seeded ``s + i``: disjoint seeds (hence new episode draws) for every training
-seed and env count below 2**20. ``--start-level`` is procgen's only.
+Gymnasium envs: evaluation env ``i`` is seeded ``2**31 + seed + i`` (``seed`` is ``--seed``), while the training
+envs are seeded below 2**31 (``s + i`` for a run with seed ``s``, a seed below 2**30 after a resume): disjoint
+seeds, hence new episode draws. ``--start-level`` is procgen's only.
 """
 
 from __future__ import annotations
@@ -20,16 +22,35 @@ import numpy as np
 import yaml
 
 #: Offset of the evaluation seeds of gymnasium envs from ``--seed`` (training seeds lie below it).
-EVAL_SEED_OFFSET = 2**20
+EVAL_SEED_OFFSET = 2**31
+#: One past procgen's largest level seed (a C int; ``start_level + num_levels`` may not exceed it).
+LEVEL_SEED_END = 2**31 - 1
+
+
+def evaluation_levels(env_kwargs: dict, start_level: int | None) -> dict:
+    """``{"start_level", "num_levels", "held_out"}`` of the evaluation env for a procgen run trained with
+    ``env_kwargs``: the seeds above the training range when it is finite, the training distribution otherwise."""
+    n_train, s_train = int(env_kwargs.get("num_levels", 0)), int(env_kwargs.get("start_level", 0))
+    if n_train == 0:
+        if start_level is None:
+            return {"start_level": 0, "num_levels": 0, "held_out": False}
+        return {"start_level": start_level, "num_levels": LEVEL_SEED_END - start_level, "held_out": False}
+    first = s_train + n_train if start_level is None else start_level
+    if first < s_train + n_train:
+        raise ValueError(f"--start-level {first} reaches into the training levels [{s_train}, {s_train + n_train}); "
+                         f"held-out levels start at {s_train + n_train}")
+    if first >= LEVEL_SEED_END:
+        raise ValueError(f"no level seeds are left above {first} (procgen's seeds end at {LEVEL_SEED_END})")
+    return {"start_level": first, "num_levels": LEVEL_SEED_END - first, "held_out": True}
 
 
 def find_model(run_dir: Path) -> Path:
-    """``final_model.zip``, else the latest checkpoint's model."""
-    from rlseq.checkpoint import latest_checkpoint
+    """``final_model.zip``, else the model of the newest intact checkpoint."""
+    from rlseq.checkpoint import resumable_checkpoint
 
     if (run_dir / "final_model.zip").exists():
         return run_dir / "final_model.zip"
-    latest = latest_checkpoint(run_dir / "checkpoints")
+    latest = resumable_checkpoint(run_dir / "checkpoints")[0]
     if latest is None:
         raise FileNotFoundError(f"{run_dir} has neither final_model.zip nor a checkpoint")
     return latest / "model.zip"
@@ -37,9 +58,9 @@ def find_model(run_dir: Path) -> Path:
 
 def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: bool = False, seed: int = 12345,
              start_level: int | None = None, device: str = "auto", progress: bool = True) -> dict[str, float]:
-    """Play ``episodes`` episodes on held-out levels (procgen) or new env seeds (gymnasium envs, from
-    ``EVAL_SEED_OFFSET + seed``); returns mean/std/min/max of the unscaled return, and ``start_level`` (procgen)
-    or ``first_seed`` (gymnasium)."""
+    """Play ``episodes`` episodes on held-out levels (procgen, see :func:`evaluation_levels`) or new env seeds
+    (gymnasium envs, from ``EVAL_SEED_OFFSET + seed``); returns mean/std/min/max of the unscaled return, and
+    ``start_level``, ``num_levels``, ``held_out`` and ``level_seeds`` (procgen) or ``first_seed`` (gymnasium)."""
     from tqdm.auto import tqdm
 
     from rlseq.train import _algo_class, _family, make_env
@@ -52,10 +73,8 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
     cfg = yaml.safe_load(cfg_path.read_text())
     env_kwargs = dict(cfg.get("env_kwargs") or {})
     if _family(cfg) == "procgen":
-        n_train, s_train = int(env_kwargs.get("num_levels", 0)), int(env_kwargs.get("start_level", 0))
-        env_kwargs["start_level"] = start_level if start_level is not None else (s_train + n_train if n_train else 2**30)
-        env_kwargs["num_levels"] = 0
-        where = {"start_level": env_kwargs["start_level"]}
+        where = evaluation_levels(env_kwargs, start_level)
+        env_kwargs.update(start_level=where["start_level"], num_levels=where["num_levels"])
     elif start_level is not None:
         raise ValueError(f"--start-level is a procgen option; {cfg['env']} is evaluated on new env seeds (--seed)")
     else:
@@ -66,6 +85,7 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
     obs = venv.reset()
     state, starts = None, np.ones(n_envs, dtype=bool)
     returns: list[float] = []
+    levels: list[int] = []
     # a fixed quota per env: taking the first N episodes to finish would favour short episodes
     quota = np.full(n_envs, episodes // n_envs) + (np.arange(n_envs) < episodes % n_envs)
     with tqdm(total=episodes, desc="episodes", disable=not progress) as bar:
@@ -77,11 +97,13 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
                 if "episode" in info and quota[i] > 0:
                     quota[i] -= 1
                     returns.append(float(info["episode"]["r"]))
+                    if "level_seed" in info:
+                        levels.append(int(info["level_seed"]))
                     bar.update(1)
     venv.close()
     r = np.asarray(returns)
     return {"episodes": len(r), "mean": float(r.mean()), "std": float(r.std(ddof=1)) if len(r) > 1 else float("nan"),
-            "min": float(r.min()), "max": float(r.max()), **where}
+            "min": float(r.min()), "max": float(r.max()), **where, **({"level_seeds": levels} if levels else {})}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -101,9 +123,17 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    where = f"levels from {res['start_level']}" if "start_level" in res else f"env seeds from {res['first_seed']}"
+    where = _where(res)
     print(f"{args.run_dir}: return {res['mean']:.3f} ± {res['std']:.3f} (std over {res['episodes']} episodes; "
           f"min {res['min']:.3f}, max {res['max']:.3f}; {where})")
+
+
+def _where(res: dict) -> str:
+    if "first_seed" in res:
+        return f"env seeds from {res['first_seed']}"
+    if not res["held_out"]:
+        return "levels of the training distribution: not held out, the run trained with num_levels=0"
+    return f"held-out levels [{res['start_level']}, {res['start_level'] + res['num_levels']})"
 
 
 if __name__ == "__main__":

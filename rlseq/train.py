@@ -26,9 +26,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import difflib
+import math
+import re
+import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import yaml
 
@@ -52,10 +56,152 @@ AMP_CHOICES = ("bf16", "none")
 FAST_PRESET = {"amp": "bf16", "fused_adam": True, "channels_last": True, "tf32": True}
 # cuda_graph_train in a config file: auto (or null) uses the training graph whenever the model allows it
 CUDA_GRAPH_TRAIN_VALUES = ("auto", "null", "true", "false")
+# a run folder's name part given by --tag: one plain folder name
+TAG_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
 
 
 class UsageError(ValueError):
-    """A bad flag or name, reported before any env or model is built."""
+    """A bad flag or name, reported before any env or model is built (one ``error:`` line per line of the message)."""
+
+
+def _whole(low: int) -> Callable[[Any], int]:
+    """Checker of a count: an int, a float or a numeric string ("1e6") with an integral value >= ``low``."""
+
+    def check(value: Any) -> int:
+        number = _number(value)
+        if not number.is_integer() or number < low:
+            raise ValueError(f"must be a whole number >= {low}")
+        return int(number)
+
+    return check
+
+
+def _real(low: float | None = None, high: float | None = None, *, above: bool = False) -> Callable[[Any], float]:
+    """Checker of a finite float in ``[low, high]`` (``(low, high]`` with ``above``); numeric strings such as
+    "5e-4", which YAML 1.1 reads as strings, are converted."""
+
+    def check(value: Any) -> float:
+        number = _number(value)
+        if (low is not None and (number < low or (above and number == low))) or (high is not None and number > high):
+            raise ValueError(f"must be {'>' if above else '>='} {low}" + (f" and <= {high}" if high is not None else ""))
+        return number
+
+    return check
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError("must be a number (YAML reads yes/no/on/off as booleans)" if isinstance(value, bool)
+                         else "must be a number")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError("must be a number") from None
+    if not math.isfinite(number):
+        raise ValueError("must be finite")
+    return number
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    return value
+
+
+def _mapping(value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError("must be a mapping (key: value entries)")
+    return value
+
+
+def _cuda_graph_train(value: Any) -> str | bool:
+    try:
+        return parse_cuda_graph_train(value)
+    except UsageError as e:
+        raise ValueError("is not valid; " + str(e).split(" is not valid; ", 1)[1]) from None
+
+
+def _amp(value: Any) -> str | None:
+    if value not in (None, False, "none", "bf16"):
+        raise ValueError(f"is not supported; valid: {', '.join(AMP_CHOICES)}")
+    return value
+
+
+# every key a config entry may hold -> its checker (returns the value converted)
+CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
+    **dict.fromkeys(("n_timesteps", "n_envs", "n_steps", "n_minibatches", "n_epochs", "checkpoint_every",
+                     "env_groups"), _whole(1)),
+    "learning_rate": _real(0, above=True), "gamma": _real(0, 1, above=True), "gae_lambda": _real(0, 1),
+    "ent_coef": _real(0), "vf_coef": _real(0), "clip_range": _real(0, above=True), "max_grad_norm": _real(0, above=True),
+    "reward_scale": _real(0, above=True), "value_shift": _real(),
+    **dict.fromkeys(("normalize_reward", "prev_action_reward", "fused_adam", "channels_last", "tf32", "cuda_graph"),
+                    _boolean),
+    "amp": _amp, "cuda_graph_train": _cuda_graph_train,
+    **dict.fromkeys(("env_kwargs", "policy_kwargs", "memory_kwargs"), _mapping),
+}
+
+
+def unknown_keys(entry: dict[str, Any], where: str) -> list[str]:
+    """One message per key of a config ``entry`` that :data:`CONFIG_KEYS` does not know, with close matches."""
+    messages = []
+    for key in entry:
+        if key not in CONFIG_KEYS:
+            close = difflib.get_close_matches(str(key), CONFIG_KEYS, n=3)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            messages.append(f"unknown key {key!r} in {where}; {hint}valid keys: {', '.join(CONFIG_KEYS)}")
+    return messages
+
+
+def check_values(cfg: dict[str, Any], origin: dict[str, str]) -> list[str]:
+    """Convert every key of ``cfg`` in place with its checker; one message per bad value, naming where it came
+    from (``origin``: key -> flag or file)."""
+    messages = []
+    for key, checker in CONFIG_KEYS.items():
+        if key not in cfg:
+            continue
+        try:
+            cfg[key] = checker(cfg[key])
+        except ValueError as e:
+            messages.append(f"{key} {cfg[key]!r} {e} ({origin.get(key, 'config')})")
+    return messages
+
+
+# what ppo_kwargs() and make_env() read without a default
+REQUIRED_KEYS = ("n_timesteps", "n_envs", "n_steps", "n_minibatches", "n_epochs", "checkpoint_every", "learning_rate",
+                 "gamma", "gae_lambda", "ent_coef", "vf_coef", "clip_range", "max_grad_norm")
+
+
+def check_flags(args: argparse.Namespace) -> list[str]:
+    """One message per bad flag that names no config key: --seed, --tag, --device."""
+    problems = []
+    if not 0 <= args.seed < 2**31:
+        problems.append(f"--seed {args.seed} must be >= 0 and < 2**31 (procgen's level seeds are C ints)")
+    if args.tag is not None and not TAG_PATTERN.fullmatch(args.tag):
+        problems.append(f"--tag {args.tag!r} must be one plain folder name (letters, digits, . _ + = -, not starting "
+                        "with . or -)")
+    return problems + device_problems(getattr(args, "device", "auto"))
+
+
+def device_problems(name: str) -> list[str]:
+    """``[]`` for auto, cpu and a CUDA device this host has; else why not."""
+    import torch
+
+    if name == "auto":
+        return []
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        return [f"--device {name!r} is not a device; valid: auto, cpu, cuda, cuda:N"]
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return [f"--device {name}: this host has no CUDA device (torch.cuda.is_available() is False); "
+                "use --device cpu or auto"]
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        return [f"--device {name}: this host has {torch.cuda.device_count()} CUDA device(s)"]
+    return []
 
 
 def memories() -> tuple[str, ...]:
@@ -137,7 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="RL Zoo-style YAML file keyed by env, with a default entry named procgen, popgym or gym "
                         "(default: configs/procgen.yml, configs/popgym.yml or configs/gym.yml of the repo, by --env)")
     p.add_argument("--checkpoint-every", type=float, default=None, help="env steps between atomic checkpoints")
-    p.add_argument("--resume", action="store_true", help="continue the run folder from its latest checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run folder from its newest intact checkpoint (other hyperparameters are refused; "
+                        "--total-steps and --checkpoint-every may change). SIGINT and SIGTERM save a checkpoint at "
+                        "the next rollout start and print this command")
     p.add_argument("--no-progress-bar", action="store_true")
     p.add_argument("--verbose", type=int, default=0)
     return p
@@ -182,13 +331,18 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "fast", False) and args.algo != "rlseq":
         raise UsageError("--fast needs --algo rlseq (its bf16 CNN and channels-last are MemoryPPO's; sb3-contrib's "
                          "RecurrentPPO has no autocast): give --fused-adam --tf32 instead")
-    cfg = load_config(Path(args.config) if args.config else FAMILY_CONFIGS[family], env, family)
+    path = Path(args.config) if args.config else FAMILY_CONFIGS[family]
+    cfg = load_config(path, env, family)
+    problems = unknown_keys(cfg, f"{path} (entry of {env})") + check_flags(args)
+    origin = dict.fromkeys(cfg, str(path))
     for flag, key in FLAG_TO_KEY.items():
-        value, _ = asked(args, flag)
+        value, option = asked(args, flag)
         if value is not None:
-            cfg[key] = value
-    for key in ("n_timesteps", "checkpoint_every", "n_envs", "n_steps", "n_minibatches", "n_epochs"):
-        cfg[key] = int(cfg[key])
+            cfg[key], origin[key] = value, option
+    problems += check_values(cfg, origin)
+    problems += [f"{key} is missing from {path} (entry of {env})" for key in REQUIRED_KEYS if key not in cfg]
+    if problems:
+        raise UsageError("\n".join(problems))
     env_kwargs = cfg["env_kwargs"] = dict(cfg.get("env_kwargs") or {})
     if family == "procgen":
         for key in PROCGEN_OPTIONS:
@@ -200,8 +354,6 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     elif set(PROCGEN_OPTIONS) & set(env_kwargs):
         raise UsageError(f"env_kwargs {', '.join(sorted(set(PROCGEN_OPTIONS) & set(env_kwargs)))} of the config are "
                          f"procgen options; {env} is a gymnasium env and gets env_kwargs through gymnasium.make")
-    if cfg["n_envs"] < 1 or cfg["n_steps"] < 1 or cfg["n_timesteps"] < 1:
-        raise UsageError("--n-envs, --n-steps and --total-steps must be >= 1")
     if cfg["n_envs"] % cfg["n_minibatches"]:
         raise UsageError(f"--n-minibatches {cfg['n_minibatches']} must divide --n-envs {cfg['n_envs']}")
     if int(cfg.pop("env_groups", 1)) != 1:  # all envs step at once: there is nothing to split
@@ -435,6 +587,9 @@ def train(args: argparse.Namespace) -> Path:
     if torch.device(device).type != "cuda" and cfg["cuda_graph_train"] is True:
         cfg["cuda_graph_train"] = False  # a config's true on the CPU: nothing to capture (auto stays auto for a GPU)
     folder = run_dir(args.logdir, cfg)
+    if args.resume and not folder.is_dir():
+        raise UsageError(f"--resume: there is no run folder {folder} (it follows from --logdir, --env, --memory, "
+                         "--algo, --tag and --seed); check those, or drop --resume to start the run")
     try:
         with run_folder_lock(folder):
             return _train_locked(args, cfg, folder, device)
@@ -444,64 +599,161 @@ def train(args: argparse.Namespace) -> Path:
 
 def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, device: str) -> Path:
     """:func:`train` once it holds the run folder's lock."""
-    import torch
     from stable_baselines3.common.callbacks import CallbackList
-    from stable_baselines3.common.logger import configure
 
-    from rlseq.callbacks import ProgressEstimate
-    from rlseq.checkpoint import LOCK_NAME, CheckpointCallback, latest_checkpoint, save_checkpoint, set_rng_state
+    from rlseq.callbacks import ProgressEstimate, tensorboard_logger
+    from rlseq.checkpoint import LOCK_NAME, CheckpointCallback, save_checkpoint, stop_on_signals
     from rlseq.envs import ScaledReturnLogger
 
     ckpt_root = folder / "checkpoints"
     if (folder / "final_model.zip").exists():  # checked under the lock: no other process can be finishing it
         print(f"{folder} is finished already (final_model.zip exists); nothing to do")
         return folder
-    latest = latest_checkpoint(ckpt_root)
     if any(p.name != LOCK_NAME for p in folder.iterdir()) and not args.resume:
         raise UsageError(f"run folder {folder} exists; pass --resume to continue it, or another --seed/--tag/--logdir")
-    if args.resume and latest is None and any(folder.glob("events.out.tfevents.*")):
-        print(f"{folder} has no checkpoint yet: starting it again from step 0", flush=True)
-    if args.resume and latest is None:  # a fresh start after all: resolve() left this check to the checkpoint
-        _check_cuda_graph_train(args, cfg)
-
-    env = make_env({**cfg, "normalize_reward": cfg.get("normalize_reward") and latest is None}, seed=cfg["seed"])
-    if latest is not None and args.resume:
-        env = _load_reward_statistics(latest, env)
-        algo = _algo_class(cfg)
-        model = algo.load(latest / "model.zip", env=env, device=device)
-        try:
-            _adopt_saved_speed_settings(cfg, model, args)
-            _check_cuda_graph_train(args, cfg)
-        except UsageError:
-            env.close()
-            raise
-        if cfg["algo"] == "rlseq":
-            # how acting and training are launched, not what they compute: the flags decide
-            model.cuda_graph, model.cuda_graph_train = cfg["cuda_graph"], cuda_graph_train_arg(cfg["cuda_graph_train"])
-            model.tf32 = cfg["tf32"]
-        set_rng_state(torch.load(latest / "rng.pt", weights_only=False))
-        print(f"resuming {folder} from {latest.name} ({model.num_timesteps:,} env steps done)", flush=True)
-    else:
+    latest = _resume_point(folder) if args.resume else None
+    if latest is None:
+        _check_cuda_graph_train(args, cfg)  # on --resume resolve() left it to the checkpoint, and there is none
+        env = make_env(cfg, seed=cfg["seed"])
         model = build_model(cfg, env, device)
+    else:
+        refuse_changed_settings(cfg, folder)
+        model, env = _load_checkpoint(latest, cfg, args, device)
+        print(f"resuming {folder} from {latest.name} ({model.num_timesteps:,} env steps done)", flush=True)
     if cfg["algo"] == "rlseq":  # what runs, not "auto" (a True that cannot be used warns and trains eagerly)
         cfg["cuda_graph_train"] = model.trains_from_graph()
     # written once the model is known, so that a resumed run records the precision it really trains with
     with open(folder / "config.yaml", "w") as f:
         yaml.safe_dump({**cfg, "device": device}, f, sort_keys=True)
-    model.set_logger(configure(str(folder), ["tensorboard"] + (["stdout"] if args.verbose else [])))
-    remaining = cfg["n_timesteps"] - model.num_timesteps
-    callbacks = [ScaledReturnLogger(), CheckpointCallback(ckpt_root, cfg["checkpoint_every"])]
+    # a resumed run's curves go on from its checkpoint: TensorBoard drops what the killed process logged after it
+    # (all of it when the killed process left no checkpoint)
+    purge_step = model.num_timesteps + 1 if latest is not None else (0 if args.resume else None)
+    model.set_logger(tensorboard_logger(folder, stdout=bool(args.verbose), purge_step=purge_step))
+    checkpoints = CheckpointCallback(ckpt_root, cfg["checkpoint_every"])
+    callbacks = [ScaledReturnLogger(), checkpoints]
     if device == "cpu":
         callbacks.append(ProgressEstimate(cfg["n_timesteps"]))
+    remaining = cfg["n_timesteps"] - model.num_timesteps
     if remaining > 0:
-        model.learn(remaining, callback=CallbackList(callbacks), reset_num_timesteps=latest is None or not args.resume,
-                    progress_bar=not args.no_progress_bar)
+        with stop_on_signals(checkpoints):
+            model.learn(remaining, callback=CallbackList(callbacks), reset_num_timesteps=latest is None,
+                        progress_bar=not args.no_progress_bar)
+    if checkpoints.stopped_by is not None:
+        env.close()
+        _stop_with_resume_hint(args, checkpoints)
     save_checkpoint(model, ckpt_root)
     model.save(folder / ".final_model.tmp.zip")
     (folder / ".final_model.tmp.zip").replace(folder / "final_model.zip")
     env.close()
     print(f"done: {model.num_timesteps:,} env steps in {folder}", flush=True)
     return folder
+
+
+def resume_command(args: argparse.Namespace) -> str:
+    """The command line that continues this run: the one given, with ``--resume``."""
+    argv = list(getattr(args, "command_line", None) or [])
+    return shlex.join(["python", "-m", "rlseq.train", *argv, *([] if "--resume" in argv else ["--resume"])])
+
+
+def _stop_with_resume_hint(args: argparse.Namespace, checkpoints) -> None:
+    """After SIGINT or SIGTERM: one line with the checkpoint and the command to resume; exit 128 + signal."""
+    import signal
+
+    name = signal.Signals(checkpoints.stopped_by).name
+    print(f"stopped by {name}: checkpoint step{checkpoints.stop_step} saved; resume with: {resume_command(args)}",
+          file=sys.stderr, flush=True)
+    raise SystemExit(128 + checkpoints.stopped_by)
+
+
+def _resume_point(folder: Path) -> Path | None:
+    """The checkpoint ``--resume`` continues from (None: a fresh start), after removing the temporary folders of
+    killed saves; says which checkpoints it skips and why, and refuses when none of them is intact."""
+    from rlseq.checkpoint import checkpoint_folders, remove_stale_temporaries, resumable_checkpoint
+
+    root = folder / "checkpoints"
+    for path in remove_stale_temporaries(root) if root.is_dir() else []:
+        print(f"removed {path}, left by a checkpoint save that did not finish", flush=True)
+    latest, warnings = resumable_checkpoint(root)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    if latest is None and checkpoint_folders(root):
+        raise UsageError(f"no checkpoint in {root} is intact (see the warnings above); nothing was deleted. "
+                         f"Move {root} away to start the run again from step 0")
+    if latest is None and any(folder.glob("events.out.tfevents.*")):
+        print(f"{folder} has no checkpoint yet: starting it again from step 0", flush=True)
+    return latest
+
+
+# keys a resumed run may change: the budget, the checkpoint interval, how much it prints, where it runs and how
+# acting and training are launched (the same computation); amp, fused_adam and channels_last are the checkpoint's
+# (see _adopt_saved_speed_settings); a change of TF32 (rounding on a GPU) is stated
+RESUME_FREE_KEYS = frozenset({"n_timesteps", "checkpoint_every", "verbose", "device", "cuda_graph",
+                              "cuda_graph_train", "amp", "fused_adam", "channels_last", "tf32"})
+RESUME_STATED_KEYS = ("tf32",)
+
+
+def refuse_changed_settings(cfg: dict[str, Any], folder: Path) -> None:
+    """On ``--resume``: refuse a setting that differs from the run's ``config.yaml``, listing every difference
+    (a key the older file lacks is not compared)."""
+    path = folder / "config.yaml"
+    if not path.exists():
+        print(f"warning: {path} is missing: the settings of the resumed run cannot be checked", file=sys.stderr)
+        return
+    saved = yaml.safe_load(path.read_text()) or {}
+    changed = [f"  {key}: {saved[key]!r} in the run, {cfg[key]!r} now" for key in sorted(set(cfg) & set(saved))
+               if key not in RESUME_FREE_KEYS and _comparable(key, cfg[key]) != _comparable(key, saved[key])]
+    for key in RESUME_STATED_KEYS:
+        if key in saved and cfg.get(key) != saved[key]:
+            print(f"note: {key} was {saved[key]!r} in the run and is {cfg.get(key)!r} from now on", file=sys.stderr)
+    if changed:
+        raise UsageError("\n".join([f"--resume with other settings than the run's ({path}); resume with the same "
+                                     "ones (only --total-steps and --checkpoint-every may change), or start a new "
+                                     "run with another --tag:", *changed]))
+
+
+def _comparable(key: str, value: Any) -> Any:
+    """``value`` without what a resumed run may change inside it: procgen's worker-thread count."""
+    if key == "env_kwargs" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k != "num_threads"}
+    return value
+
+
+def resumed_env_seed(seed: int, step: int) -> int:
+    """The env seed of a run resumed at env step ``step`` (``seed`` itself at step 0): a resumed run plays new
+    levels / episodes instead of replaying those of its first start. Below 2**30, so that env ``i`` seeded
+    ``+ i`` stays a procgen C int and below the evaluation seeds of :mod:`rlseq.evaluate`."""
+    import numpy as np
+
+    if step == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0]) % 2**30
+
+
+def _load_checkpoint(latest: Path, cfg: dict[str, Any], args: argparse.Namespace, device: str):
+    """``(model, env)`` restored from the checkpoint folder ``latest``: weights, optimizer, reward statistics and
+    RNG states; the env is seeded with :func:`resumed_env_seed` and starts fresh episodes."""
+    import torch
+
+    from rlseq.checkpoint import set_rng_state
+
+    step = int(latest.name[len("step"):])
+    env = make_env({**cfg, "normalize_reward": False}, seed=resumed_env_seed(cfg["seed"], step))
+    env = _load_reward_statistics(latest, env)
+    model = _algo_class(cfg).load(latest / "model.zip", env=env, device=device)
+    try:
+        _adopt_saved_speed_settings(cfg, model, args)
+        _check_cuda_graph_train(args, cfg)
+    except UsageError:
+        env.close()
+        raise
+    if cfg["algo"] == "rlseq":
+        # how acting and training are launched, not what they compute: the flags decide
+        model.cuda_graph, model.cuda_graph_train = cfg["cuda_graph"], cuda_graph_train_arg(cfg["cuda_graph_train"])
+        model.tf32 = cfg["tf32"]
+    set_rng_state(torch.load(latest / "rng.pt", weights_only=False))
+    env.seed(resumed_env_seed(cfg["seed"], model.num_timesteps))  # SB3's load seeded it with the run's seed
+    model._last_obs = None  # the env's episodes start afresh: learn() resets it, and the memory starts empty
+    return model, env
 
 
 def _load_reward_statistics(checkpoint: Path, env):
@@ -550,12 +802,18 @@ def _algo_class(cfg: dict[str, Any]):
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.command_line = argv
     try:
         train(args)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
+        for line in str(e).splitlines():
+            print(f"error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
+    except KeyboardInterrupt:  # before training started, or a second Ctrl-C: the newest checkpoint is what remains
+        print(f"interrupted; continue from the newest checkpoint with: {resume_command(args)}", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 if __name__ == "__main__":

@@ -213,7 +213,8 @@ def test_a_stopped_sweep_resumes_its_run_from_the_last_checkpoint(tmp_path, caps
     saved = int(latest.read_text().strip()[len("step"):])
     assert 32 <= saved < 96
     row = _status(tmp_path)["caveflyer/efla-tiny/seed0"]
-    assert row["state"] == "stopped" and row["returncode"] == -signal.SIGTERM and row["steps"] == saved
+    # the training process checkpoints on SIGTERM and exits 128 + SIGTERM
+    assert row["state"] == "stopped" and row["returncode"] == 128 + signal.SIGTERM and row["steps"] == saved
     assert S.main([str(path), "--status"]) == 0
     assert f"interrupted at {saved} steps (checkpoint)" in capsys.readouterr().out
 
@@ -230,16 +231,16 @@ def test_a_stopped_sweep_resumes_its_run_from_the_last_checkpoint(tmp_path, caps
 
 
 def test_a_failed_run_is_recorded_with_its_log_and_the_others_still_run(tmp_path, capsys):
-    # a learning rate the CLI accepts but the optimizer rejects when the run starts: the first run (seed-major,
+    # a level count the CLI passes on but procgen rejects when the run starts: the first run (seed-major,
     # then the file's condition order) exits non-zero, and the next one still runs in the one slot
-    path = _sweep_file(tmp_path, memories=["none"], conditions={"broken": {"learning_rate": float("nan")}, "ok": {}})
+    path = _sweep_file(tmp_path, memories=["none"], conditions={"broken": {"num_levels": -1}, "ok": {}})
     assert S.main(_cpu(path, "--parallel", "1")) == 1
     out = capsys.readouterr().out
     assert "failed caveflyer/none-broken/seed0  rc=1" in out and "1 finished, 1 failed" in out
     broken, ok = _status(tmp_path).values()
     assert broken["name"] == "caveflyer/none-broken/seed0" and broken["state"] == "failed"
     assert broken["returncode"] == 1 and broken["steps"] == 0
-    assert any("Invalid learning rate: nan" in line for line in broken["log_tail"])
+    assert any("num_levels must be in [0, 2147483647], got -1" in line for line in broken["log_tail"])
     assert ok["state"] == "done" and ok["returncode"] == 0 and ok["steps"] == 32
     assert ok["started"] >= broken["started"] + broken["seconds"]
     assert not (Path(broken["folder"]) / "final_model.zip").exists()

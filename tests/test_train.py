@@ -330,12 +330,13 @@ def test_cli_other_algorithm_and_the_scale_wrappers(extra, variant, tmp_path):
         assert min(v for _, v in _scalars(run, "train/value_target_abs_mean")) > 20
 
 
-def test_evaluate_reports_unscaled_returns_on_held_out_levels(tiny_run, capsys):
+def test_evaluate_reports_unscaled_returns_and_that_a_full_distribution_run_has_no_held_out_levels(tiny_run, capsys):
     from rlseq.evaluate import evaluate, main as evaluate_main
 
     run = tiny_run / "caveflyer" / "efla" / "seed3"
     res = evaluate(run, 3, n_envs=2, progress=False)
-    assert res["episodes"] == 3 and res["start_level"] == 2**30
+    # trained with num_levels=0: every level seed is a training level, so the evaluation says it is not held out
+    assert res["episodes"] == 3 and res["held_out"] is False and res["num_levels"] == 0
     assert 0.0 <= res["min"] <= res["mean"] <= res["max"] <= 12.0  # caveflyer's game scores
     with pytest.raises(SystemExit):
         evaluate_main([str(tiny_run / "nope"), "--episodes", "1"])
@@ -655,6 +656,7 @@ def test_cuda_graph_train_without_fused_adam_is_refused_on_a_resume_that_finds_n
 
     # resolve() leaves this check to the checkpoint on --resume; with none found the run starts fresh and must check
     monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built for a refused run"))
+    (tmp_path / "caveflyer" / "efla" / "seed0").mkdir(parents=True)  # killed before its first checkpoint
     with pytest.raises(SystemExit) as e:
         train_main(["--env", "caveflyer", "--memory", "efla", "--logdir", str(tmp_path), "--no-progress-bar",
                     "--cuda-graph-train", "--resume", *TINY])

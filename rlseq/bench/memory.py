@@ -272,7 +272,7 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
         _child = None
         train_wall = time.time() - t0
         if rc != 0:
-            if _stopping or rc in (-signal.SIGINT, -signal.SIGTERM):
+            if _stopping or rc in (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGTERM):
                 return {"name": spec["name"], "state": "stopped"}
             return _failed(spec, paths, f"training exited with code {rc}", log_tail(log, 20))
     try:

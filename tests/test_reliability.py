@@ -1,0 +1,406 @@
+"""Training runs lose no work and change nothing silently: resuming from broken checkpoints, changed settings,
+SIGINT/SIGTERM, config validation, TensorBoard curves of resumed runs, resumed env seeds, held-out evaluation,
+leftovers of killed saves, and --resume of a run folder that does not exist."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from rlseq.train import main as train_main
+
+ENV = "popgym-RepeatPreviousEasy-v0"
+BASE = ["--env", ENV, "--memory", "none", "--n-envs", "2", "--n-steps", "8", "--n-minibatches", "1", "--n-epochs", "1",
+        "--checkpoint-every", "16", "--normalize-reward", "--no-progress-bar"]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _argv(logdir: Path, total: int, *extra: str) -> list[str]:
+    return [*BASE, "--logdir", str(logdir), "--total-steps", str(total), *extra]
+
+
+def _folder(logdir: Path) -> Path:
+    return logdir / ENV / "none" / "seed0"
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A logdir whose run trained 48 steps: checkpoints step32 and step48, final_model.zip."""
+    logdir = tmp_path_factory.mktemp("base")
+    train_main(_argv(logdir, 48))
+    assert sorted(p.name for p in (_folder(logdir) / "checkpoints").glob("step*")) == ["step32", "step48"]
+    return logdir
+
+
+@pytest.fixture
+def interrupted(finished, tmp_path) -> Path:
+    """A copy of the finished run without its final model: a run killed at step 48."""
+    logdir = tmp_path / "runs"
+    shutil.copytree(finished, logdir)
+    (_folder(logdir) / "final_model.zip").unlink()
+    return logdir
+
+
+def _steps(model_path: Path) -> int:
+    from rlseq.algos import MemoryPPO
+
+    return MemoryPPO.load(model_path, device="cpu").num_timesteps
+
+
+def _checkpoints(logdir: Path) -> list[str]:
+    return sorted((p.name for p in (_folder(logdir) / "checkpoints").glob("step*")), key=lambda n: int(n[4:]))
+
+
+# --- 1. a bad `latest` pointer -------------------------------------------------------------------------------
+
+
+def _no_model_step(ckpt: Path) -> None:
+    """What a crash inside save_checkpoint before model.zip was written could leave, named by latest."""
+    (ckpt / "step64").mkdir()
+    (ckpt / "step64" / "meta.json").write_text('{"num_timesteps": 64}')
+    (ckpt / "latest").write_text("step64\n")
+
+
+@pytest.mark.parametrize("damage", [
+    lambda ckpt: (ckpt / "latest").unlink(),
+    lambda ckpt: (ckpt / "latest").write_text(""),
+    lambda ckpt: (ckpt / "latest").write_text("step999\n"),
+    _no_model_step,
+], ids=["deleted", "empty", "missing-step", "step-without-model"])
+def test_a_bad_latest_pointer_resumes_from_the_newest_intact_checkpoint_and_deletes_none_it_did_not_supersede(
+        damage, interrupted, capsys):
+    ckpt = _folder(interrupted) / "checkpoints"
+    damage(ckpt)
+    train_main(_argv(interrupted, 64, "--resume"))
+    out, err = capsys.readouterr()
+    assert "starting it again from step 0" not in out
+    assert "from step48 (48 env steps done)" in out and "latest" in err
+    assert _steps(_folder(interrupted) / "final_model.zip") == 64
+    # step48 (resumed from) is the one older checkpoint kept; step32 is superseded by it
+    assert _checkpoints(interrupted) == ["step48", "step64"]
+    assert (ckpt / "step64" / "model.zip").exists() and (ckpt / "latest").read_text().strip() == "step64"
+
+
+# --- 2. a corrupt newest checkpoint --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bad", ["model.zip", "rng.pt", "vecnormalize.pkl"])
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_previous_one_naming_the_bad_file(bad, interrupted, capsys):
+    path = _folder(interrupted) / "checkpoints" / "step48" / bad
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated
+    train_main(_argv(interrupted, 64, "--resume"))
+    out, err = capsys.readouterr()
+    assert f"warning: checkpoint step48 is not usable: {path} is unreadable" in err
+    assert "from step32 (32 env steps done)" in out
+    assert _steps(_folder(interrupted) / "final_model.zip") == 64
+
+
+def test_a_missing_vecnormalize_file_is_a_broken_checkpoint_not_a_run_without_reward_normalisation(interrupted,
+                                                                                                    capsys):
+    (_folder(interrupted) / "checkpoints" / "step48" / "vecnormalize.pkl").unlink()
+    train_main(_argv(interrupted, 64, "--resume"))
+    out, err = capsys.readouterr()
+    assert "step48/vecnormalize.pkl is missing" in err and "from step32" in out
+
+
+def test_no_intact_checkpoint_is_refused_and_nothing_is_deleted(interrupted, capsys, monkeypatch):
+    import rlseq.train as T
+
+    ckpt = _folder(interrupted) / "checkpoints"
+    for step in ("step32", "step48"):
+        (ckpt / step / "rng.pt").write_bytes(b"torn")
+    before = sorted(p.relative_to(ckpt) for p in ckpt.rglob("*"))
+    monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built for a refused resume"))
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(interrupted, 64, "--resume"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "step48 is not usable" in err and "step32 is not usable" in err and "no checkpoint in" in err
+    assert sorted(p.relative_to(ckpt) for p in ckpt.rglob("*")) == before
+
+
+# --- 3. other settings on --resume ---------------------------------------------------------------------------
+
+
+def test_resume_with_other_hyperparameters_is_refused_with_every_difference_and_config_yaml_stays_true(
+        interrupted, capsys):
+    config = _folder(interrupted) / "config.yaml"
+    before = config.read_text()
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(interrupted, 64, "--resume", "--n-steps", "64", "--learning-rate", "0.1", "--n-envs", "8"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    for line in ("error:   n_steps: 8 in the run, 64 now", "error:   learning_rate: 0.0005 in the run, 0.1 now",
+                 "error:   n_envs: 2 in the run, 8 now"):
+        assert line in err
+    assert config.read_text() == before
+    # the budget may grow: recorded as it now is
+    train_main(_argv(interrupted, 64, "--resume"))
+    assert yaml.safe_load(config.read_text())["n_timesteps"] == 64
+
+
+# --- 4. SIGINT and SIGTERM -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("signum,code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_saves_a_checkpoint_prints_one_resume_line_and_exits_128_plus_the_signal(signum, code, tmp_path):
+    argv = [*BASE, "--logdir", str(tmp_path), "--total-steps", "100000", "--checkpoint-every", "100000"]
+    proc = subprocess.Popen([sys.executable, "-m", "rlseq.train", *argv], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    line = proc.stdout.readline()  # printed at the second rollout start: training (and its handlers) running
+    assert line.startswith("measured"), line + proc.stderr.read()
+    proc.send_signal(signum)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"stopped by {signal.Signals(signum).name}: checkpoint step")
+    assert last.endswith("resume with: " + shlex.join(["python", "-m", "rlseq.train", *argv, "--resume"]))
+    step = last.split("checkpoint step")[1].split()[0]
+    folder = _folder(tmp_path) / "checkpoints" / f"step{step}"
+    from rlseq.checkpoint import checkpoint_problem, resumable_checkpoint
+
+    assert int(step) >= 16 and checkpoint_problem(folder) is None
+    assert resumable_checkpoint(folder.parent) == (folder, [])
+
+
+# --- 5. config files and flags -------------------------------------------------------------------------------
+
+
+def _config(tmp_path: Path, **changes) -> Path:
+    entry = yaml.safe_load((REPO / "configs" / "popgym.yml").read_text())["popgym"]
+    path = tmp_path / "c.yml"
+    path.write_text(yaml.safe_dump({"popgym": {**entry, **changes}}))
+    return path
+
+
+def _refused(argv: list[str], tmp_path: Path, capsys, monkeypatch) -> list[str]:
+    """The error lines of a run that must be refused before anything is built or written."""
+    import rlseq.train as T
+
+    monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built before validation"))
+    logdir = tmp_path / "runs"
+    with pytest.raises(SystemExit) as e:
+        train_main([*argv, "--logdir", str(logdir)])
+    assert e.value.code == 2 and not logdir.exists()
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert all(line.startswith("error: ") for line in lines), lines
+    return lines
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"learnign_rate": 1e-3}, "unknown key 'learnign_rate' in"),
+    ({"clip_range": True}, "clip_range True"),
+    ({"learning_rate": "fast"}, "learning_rate 'fast'"),
+    ({"gamma": 1.5}, "gamma 1.5"),
+    ({"n_epochs": 0}, "n_epochs 0"),
+    ({"n_steps": 2.5}, "n_steps 2.5"),
+    ({"normalize_reward": "yes please"}, "normalize_reward 'yes please'"),
+])
+def test_a_bad_config_key_or_value_is_one_error_line(changes, message, tmp_path, capsys, monkeypatch):
+    lines = _refused(["--env", ENV, "--config", str(_config(tmp_path, **changes))], tmp_path, capsys, monkeypatch)
+    assert len(lines) == 1 and message in lines[0]
+    if "learnign_rate" in changes:
+        assert "did you mean learning_rate?" in lines[0]
+
+
+def test_clip_range_yes_in_yaml_is_refused(tmp_path, capsys, monkeypatch):
+    path = _config(tmp_path)
+    path.write_text(path.read_text().replace("clip_range: 0.2", "clip_range: yes"))
+    lines = _refused(["--env", ENV, "--config", str(path)], tmp_path, capsys, monkeypatch)
+    assert lines == [f"error: clip_range True must be a number (YAML reads yes/no/on/off as booleans) ({path})"]
+
+
+def test_numeric_strings_are_accepted_for_number_keys(tmp_path):
+    from rlseq.train import build_parser, resolve
+
+    path = _config(tmp_path)
+    path.write_text(path.read_text().replace("learning_rate: 0.0005", "learning_rate: 5e-4")
+                    .replace("n_timesteps: 100000", "n_timesteps: 1e5"))
+    assert yaml.safe_load(path.read_text())["popgym"]["learning_rate"] == "5e-4"  # what PyYAML makes of it
+    cfg = resolve(build_parser().parse_args(["--env", ENV, "--config", str(path)]))
+    assert cfg["learning_rate"] == 5e-4 and type(cfg["learning_rate"]) is float
+    assert cfg["n_timesteps"] == 100_000 and type(cfg["n_timesteps"]) is int
+
+
+def test_bad_flags_are_each_one_error_line(tmp_path, capsys, monkeypatch):
+    lines = _refused(["--env", ENV, "--n-minibatches", "0", "--total-steps", "nan", "--seed", "-1", "--device", "tpu",
+                      "--checkpoint-every", "0", "--tag", "../x", "--n-epochs", "0"], tmp_path, capsys, monkeypatch)
+    for flag in ("(--n-minibatches)", "(--total-steps)", "--seed -1", "--device 'tpu'", "(--checkpoint-every)",
+                 "--tag '../x'", "(--n-epochs)"):
+        assert sum(flag in line for line in lines) == 1, (flag, lines)
+    assert len(lines) == 7
+    assert "must be finite" in _refused(["--env", ENV, "--total-steps", "inf"], tmp_path, capsys, monkeypatch)[0]
+
+
+def test_device_cuda_without_a_gpu_is_refused(tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    lines = _refused(["--env", ENV, "--device", "cuda"], tmp_path, capsys, monkeypatch)
+    assert lines == ["error: --device cuda: this host has no CUDA device (torch.cuda.is_available() is False); "
+                     "use --device cpu or auto"]
+
+
+# --- 6. TensorBoard curves of a resumed run ------------------------------------------------------------------
+
+
+def tensorboard_curve(folder: Path, tag: str = "time/fps") -> list[int]:
+    """The steps of ``tag`` as TensorBoard shows them: all event files of the folder, purges applied."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder))
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+def test_a_resumed_run_purges_the_steps_logged_after_its_checkpoint(interrupted):
+    folder = _folder(interrupted)
+    shutil.rmtree(folder / "checkpoints" / "step48")  # killed after logging step 48, before checkpointing it
+    assert tensorboard_curve(folder)[-1] == 48
+    train_main(_argv(interrupted, 64, "--resume"))
+    steps = tensorboard_curve(folder)
+    assert [s for s in steps if s] == [16, 32, 48, 64]  # one point per rollout of 16 steps, step 48 once
+
+
+# --- 7. a resumed run plays new levels / episodes ------------------------------------------------------------
+
+
+def test_the_resumed_env_seed_depends_on_the_step():
+    from rlseq.train import resumed_env_seed
+
+    assert resumed_env_seed(3, 0) == 3
+    seeds = {resumed_env_seed(s, step) for s in range(4) for step in (16, 32, 10**9)}
+    assert len(seeds) == 12 and all(0 <= s < 2**30 for s in seeds)
+
+
+def test_a_resumed_gym_run_seeds_its_envs_from_the_resume_step(interrupted, monkeypatch):
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from rlseq.train import resumed_env_seed
+
+    seen, reset = [], DummyVecEnv.reset
+
+    def recording_reset(self):
+        seen.append(list(self._seeds))
+        return reset(self)
+
+    monkeypatch.setattr(DummyVecEnv, "reset", recording_reset)
+    train_main(_argv(interrupted, 64, "--resume"))
+    first = resumed_env_seed(0, 48)
+    assert first != 0 and seen == [[first, first + 1]]
+
+
+def test_a_resumed_procgen_run_continues_the_level_stream(tmp_path, monkeypatch):
+    from rlseq.envs.procgen import ProcgenVecEnv
+    from rlseq.train import resumed_env_seed
+
+    argv = ["--env", "caveflyer", "--memory", "none", "--n-envs", "2", "--n-steps", "16", "--n-minibatches", "1",
+            "--n-epochs", "1", "--num-threads", "0", "--checkpoint-every", "32", "--seed", "4", "--logdir",
+            str(tmp_path), "--no-progress-bar"]
+    builds, build = [], ProcgenVecEnv._build
+
+    def recording_build(self, n_envs, seed):
+        builds.append(seed)
+        return build(self, n_envs, seed)
+
+    monkeypatch.setattr(ProcgenVecEnv, "_build", recording_build)
+    train_main([*argv, "--total-steps", "32"])
+    assert set(builds) == {4}
+    (tmp_path / "caveflyer" / "none" / "seed4" / "final_model.zip").unlink()
+    builds.clear()
+    train_main([*argv, "--total-steps", "64", "--resume"])
+    assert builds[-1] == resumed_env_seed(4, 32) != 4  # the env the resumed run stepped
+
+
+# --- 8. held-out evaluation ----------------------------------------------------------------------------------
+
+
+def test_evaluation_levels_are_disjoint_from_a_finite_training_range_and_honest_about_the_full_one():
+    from rlseq.evaluate import LEVEL_SEED_END, evaluation_levels
+
+    assert evaluation_levels({"num_levels": 200, "start_level": 5}, None) == \
+        {"start_level": 205, "num_levels": LEVEL_SEED_END - 205, "held_out": True}
+    with pytest.raises(ValueError, match=r"reaches into the training levels \[5, 205\)"):
+        evaluation_levels({"num_levels": 200, "start_level": 5}, 100)
+    assert evaluation_levels({"num_levels": 0}, None)["held_out"] is False
+    assert evaluation_levels({}, 2**30)["held_out"] is False
+
+
+class _RandomAgent:
+    """Stands for a trained model in evaluate(): random actions (what is tested is which levels it meets)."""
+
+    @classmethod
+    def load(cls, path, device="auto"):
+        return cls()
+
+    def predict(self, obs, state=None, episode_start=None, deterministic=False):
+        return np.random.randint(0, 15, len(episode_start)), None
+
+
+def test_no_evaluation_level_is_a_training_level(tmp_path, capsys, monkeypatch):
+    import rlseq.train as T
+    from rlseq.evaluate import LEVEL_SEED_END, evaluate, main as evaluate_main
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "final_model.zip").write_bytes(b"")
+    # leaper: a random agent's episodes are short. The run trained on all level seeds but the last 1000, so that
+    # levels drawn from the whole seed range (procgen's num_levels=0) would be training levels
+    first = LEVEL_SEED_END - 1000
+    (run / "config.yaml").write_text(yaml.safe_dump({"env": "leaper", "env_family": "procgen", "algo": "rlseq",
+                                                     "gamma": 0.99, "env_kwargs": {"num_levels": first - 7,
+                                                                                   "start_level": 7,
+                                                                                   "num_threads": 0}}))
+    monkeypatch.setattr(T, "_algo_class", lambda cfg: _RandomAgent)
+    np.random.seed(0)
+    res = evaluate(run, 8, n_envs=4, progress=False)
+    assert res["held_out"] and res["start_level"] == first and res["num_levels"] == 1000
+    assert len(res["level_seeds"]) == 8 and all(s >= first for s in res["level_seeds"]), res["level_seeds"]
+    evaluate_main([str(run), "--episodes", "2", "--n-envs", "2"])
+    assert f"held-out levels [{first}, {LEVEL_SEED_END})" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        evaluate_main([str(run), "--episodes", "1", "--start-level", "8"])
+    assert f"reaches into the training levels [7, {first})" in capsys.readouterr().err
+
+
+# --- 9. leftovers of killed saves ----------------------------------------------------------------------------
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_stale_temporaries_of_killed_saves_are_removed_on_resume_and_live_ones_kept(interrupted, capsys):
+    ckpt = _folder(interrupted) / "checkpoints"
+    dead, live = ckpt / f".step56.tmp{_dead_pid()}", ckpt / f".step56.tmp{os.getppid()}"
+    dead.mkdir(), live.mkdir()
+    (ckpt / f".latest.tmp{_dead_pid()}").write_text("step56")
+    train_main(_argv(interrupted, 64, "--resume"))
+    assert not dead.exists() and live.exists()
+    assert sorted(p.name for p in ckpt.glob(".*")) == [live.name]
+    assert f"removed {dead}" in capsys.readouterr().out
+
+
+# --- 10. --resume of a run folder that does not exist --------------------------------------------------------
+
+
+def test_resume_of_a_missing_run_folder_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(tmp_path, 16, "--resume"))
+    assert e.value.code == 2
+    assert f"--resume: there is no run folder {_folder(tmp_path)}" in capsys.readouterr().err
+    assert not tmp_path.joinpath(ENV).exists()
