@@ -287,7 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run folder from its newest intact checkpoint (other hyperparameters are refused; "
                         "--total-steps and --checkpoint-every may change). SIGINT and SIGTERM save a checkpoint at "
                         "the next rollout start and print this command")
-    p.add_argument("--no-progress-bar", action="store_true")
+    p.add_argument("--no-progress-bar", action="store_true",
+                   help="print no progress (otherwise: the speed after 10 s, the estimate after the first update, then "
+                        "a progress line every second on a terminal, every 30 s in a log file)")
     p.add_argument("--verbose", type=int, default=0)
     return p
 
@@ -601,7 +603,7 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     """:func:`train` once it holds the run folder's lock."""
     from stable_baselines3.common.callbacks import CallbackList
 
-    from rlseq.callbacks import ProgressEstimate, tensorboard_logger
+    from rlseq.callbacks import Progress, tensorboard_logger
     from rlseq.checkpoint import LOCK_NAME, CheckpointCallback, save_checkpoint, stop_on_signals
     from rlseq.envs import ScaledReturnLogger
 
@@ -631,13 +633,14 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     model.set_logger(tensorboard_logger(folder, stdout=bool(args.verbose), purge_step=purge_step))
     checkpoints = CheckpointCallback(ckpt_root, cfg["checkpoint_every"])
     callbacks = [ScaledReturnLogger(), checkpoints]
-    if device == "cpu":
-        callbacks.append(ProgressEstimate(cfg["n_timesteps"]))
+    if not args.no_progress_bar:
+        smaller = (f"python -m rlseq.train --env popgym-RepeatPreviousEasy-v0 --memory {cfg['memory']} (about a "
+                   "minute), or this command with --total-steps 2048 --n-envs 8 --n-steps 64 --tag smoke")
+        callbacks.append(Progress(cfg["n_timesteps"], on_cpu=device == "cpu", smaller=smaller))
     remaining = cfg["n_timesteps"] - model.num_timesteps
     if remaining > 0:
         with stop_on_signals(checkpoints):
-            model.learn(remaining, callback=CallbackList(callbacks), reset_num_timesteps=latest is None,
-                        progress_bar=not args.no_progress_bar)
+            model.learn(remaining, callback=CallbackList(callbacks), reset_num_timesteps=latest is None)
     if checkpoints.stopped_by is not None:
         env.close()
         _stop_with_resume_hint(args, checkpoints)
