@@ -1,9 +1,11 @@
-"""``python -m rlseq.sweep CONFIG.yaml``: expand a grid of training runs and run it on one machine.
+"""``python -m rlseq.sweep CONFIG.yaml``: expand a grid of training runs and run it with Ray, on this machine or
+on a cluster.
 
     python -m rlseq.sweep configs/experiments/caveflyer_scales.yml --dry-run
     python -m rlseq.sweep configs/experiments/caveflyer_scales.yml --gpus all --runs-per-gpu 3
     python -m rlseq.sweep configs/experiments/caveflyer_scales.yml --only memory=efla,deltanet --only condition=reward1e3
     python -m rlseq.sweep configs/experiments/caveflyer_scales.yml --status
+    python -m rlseq.sweep configs/experiments/caveflyer_scales.yml --address auto --gpus-per-run 0.33 --cpus-per-run 4
 
 The sweep file (YAML) names the grid and the flags of ``python -m rlseq.train`` that every run shares::
 
@@ -18,23 +20,31 @@ The sweep file (YAML) names the grid and the flags of ``python -m rlseq.train`` 
     runs_per_gpu: 3                 # default of --runs-per-gpu
 
 Each run is one ``python -m rlseq.train`` process writing ``<logdir>/<env>/<memory>-<condition>/seed<N>/``
-(its output goes to ``train.log`` in that folder). Runs are ordered seed by seed, so a grid cut short still
-has every memory and condition at the seeds it reached. A run whose folder holds ``final_model.zip`` is
-skipped; any other run is started with ``--resume``, so an interrupted run continues from its last
-checkpoint. Every run's flags are checked by the training CLI before anything starts.
+(its output goes to ``train.log`` in that folder), started by a Ray task that holds ``--cpus-per-run`` CPUs
+and ``--gpus-per-run`` GPUs (fractional: ``--runs-per-gpu 3`` is a third of a GPU each; Ray sets the task's
+``CUDA_VISIBLE_DEVICES``). Runs are queued seed by seed, so a grid cut short still has every memory and
+condition at the seeds it reached. A run whose folder holds ``final_model.zip`` is skipped; any other run is
+started with ``--resume``, so an interrupted run continues from its last checkpoint. Every run's flags are
+checked by the training CLI before anything starts.
 
-Parallelism: ``--runs-per-gpu`` processes on each GPU of ``--gpus`` (each pinned with
-``CUDA_VISIBLE_DEVICES``), or ``--parallel`` processes on the CPU with ``--gpus none``. Each process gets
-``OMP_NUM_THREADS`` = CPU cores / processes unless set. A run that exits non-zero (for example a memory
-state that turned NaN, which the trainer reports with where it arose) is recorded as failed with the end
-of its log and is not retried: a divergence is a result. SIGINT or SIGTERM to the sweep is passed on to the
-running processes and starts no new one; the runs it stops are recorded as ``stopped`` and resume from their
-last checkpoint the next time the sweep is started. A sweep killed outright (SIGKILL) cannot pass anything
-on; on Linux its training processes then get SIGTERM from the kernel. Every training process locks its run
-folder, so a second sweep (or a stray process) never writes into a run that is training: that run fails at
-once with the holder's pid. ``<logdir>/sweep-<name>.json`` holds the state of every
-run and is rewritten atomically whenever one starts or ends. The exit code is 0 when every run of the grid
-(or of ``--only``) finished, 1 when one failed or was stopped, 2 for a bad sweep file or flag.
+Where: without ``--address`` the sweep starts Ray inside itself on this machine (bound to 127.0.0.1, no
+dashboard; ``--gpus`` picks its GPUs, ``--parallel N`` gives it N runs' worth of CPUs) and stops it at the end.
+``--address auto|HOST:PORT`` joins a running cluster (``ray start --head`` / ``ray start --address ...``); the
+runs tree must then be on storage that every node sees under the same path (docs/multi_machine.md).
+
+Failures: a trainer that exits non-zero (for example a memory state that turned NaN, which the trainer
+reports with where it arose) is restarted from its last checkpoint ``--retries`` times (default 1), then
+recorded as failed with the end of its log. A run whose worker or node dies is rescheduled by Ray (up to
+``--retries`` times) and resumes from its checkpoint. SIGINT or SIGTERM to the sweep cancels the queued runs
+and passes the signal on to every trainer; the runs it stops are recorded as ``stopped`` and resume the next
+time the sweep is started (tasks that have not ended a minute later are killed). A sweep killed outright
+(SIGKILL) takes its embedded Ray with it, and each trainer gets SIGTERM when its Ray worker dies. Every
+training process locks its run folder, so a second sweep (or a stray process) never writes into a run that is
+training: that run fails at once with the holder's pid. ``<logdir>/sweep-<name>.json`` holds the state of
+every run (node, GPU, attempts, env steps) and is rewritten atomically whenever one starts or ends; a progress
+bar over the grid's env steps (from the checkpoints) shows done / running / failed and the ETA. The exit code
+is 0 when every run of the grid (or of ``--only``) finished, 1 when one failed or was stopped, 2 for a bad
+sweep file or flag.
 """
 
 from __future__ import annotations
