@@ -477,12 +477,12 @@ def execute(runs: list[Run], res: Resources, *, status_path: Path, spec_name: st
         stop_sent = None
         while refs:
             ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=poll_s)
-            by_name = {r.name: r for r in refs.values()}
+            by_name = {r.name: r for r in runs}
             for name, info in ray.get(board.drain.remote()):
                 _on_start(by_name[name], info, bar)
                 _write_status(status_path, spec_name, runs)
             for ref in ready:
-                _on_end(ray, refs.pop(ref), ref, bar)
+                _on_end(ray, refs.pop(ref), ref, bar, stopping=stopping is not None)
                 _write_status(status_path, spec_name, runs)
             if stopping and stop_sent is None:
                 ray.get(board.stop.remote(stopping))
@@ -513,23 +513,25 @@ def execute(runs: list[Run], res: Resources, *, status_path: Path, spec_name: st
 
 
 def _on_start(run: Run, info: dict[str, Any], bar: Any) -> None:
-    run.state, run.node, run.gpu = "running", info["node"], info["gpu"]
     run.attempts += 1
+    if run.state in ("done", "failed", "stopped"):  # its end overtook this message
+        return
+    run.state, run.node, run.gpu = "running", info["node"], info["gpu"]
     run.started = run.started or info["started"]
     why = f"  retry after rc={info['retry_after']}" if "retry_after" in info else (
         "  rescheduled" if run.attempts > 1 else "")
     bar.write(f"start  {run.name}  node={run.node}  gpu={run.gpu or 'cpu'}  from step {run_progress(run):,}{why}")
 
 
-def _on_end(ray: Any, run: Run, ref: Any, bar: Any) -> None:
+def _on_end(ray: Any, run: Run, ref: Any, bar: Any, *, stopping: bool) -> None:
     from ray.exceptions import RayError, TaskCancelledError
 
     try:
         out = ray.get(ref)
     except TaskCancelledError:
         run.state = "stopped" if run.state == "running" else "pending"
-    except RayError as e:  # a task that could not run or was lost more often than --retries allows
-        run.state = "failed"
+    except RayError as e:  # a task killed while stopping, or lost more often than --retries allows
+        run.state = "stopped" if stopping else "failed"
         run.log_tail = [*log_tail(run.folder / "train.log"), f"ray: {type(e).__name__}: {str(e).splitlines()[0]}"]
         run.seconds = time.time() - run.started if run.started else None
     else:
