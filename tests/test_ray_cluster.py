@@ -152,7 +152,10 @@ def _marked(marker: str) -> list[int]:
 
 
 def _kill(pids: list[int]) -> None:
-    for pid in pids:
+    """SIGKILL ``pids`` and their descendants (Ray's agents rewrite their environment with their title, so
+    they do not show the marker)."""
+    tree = set().union(*(_descendants(pid) for pid in pids))
+    for pid in tree:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
