@@ -290,6 +290,15 @@ class Board:
         return self._stop
 
 
+def _trainer_preexec(parent_pid: int) -> None:
+    """Before exec: the trainer acts on SIGINT and SIGTERM whatever the Ray worker did with them (an ignored
+    signal stays ignored across exec), and dies with the worker on Linux."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    if sys.platform == "linux":
+        _stop_with_parent(parent_pid)
+
+
 def _train_once(argv: list[str], env: dict[str, str], cwd: str | None, folder: Path, board: Any,
                 poll_s: float = 1.0) -> tuple[int, bool]:
     """One trainer process, its output appended to ``folder/train.log``; returns ``(returncode, stopped)``.
@@ -305,8 +314,7 @@ def _train_once(argv: list[str], env: dict[str, str], cwd: str | None, folder: P
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
         log.flush()
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
-                                preexec_fn=functools.partial(_stop_with_parent, os.getpid())
-                                if sys.platform == "linux" else None)
+                                preexec_fn=functools.partial(_trainer_preexec, os.getpid()))
     try:
         while proc.poll() is None:  # a blocking wait would defer the KeyboardInterrupt until the trainer ends
             try:
