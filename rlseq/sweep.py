@@ -395,16 +395,25 @@ def _start_ray(res: Resources) -> Any:
         ray.init(address=res.address, log_to_driver=False, logging_level=logging.WARNING)
         return ray
     # ray.init swaps a loopback node address for the host's routable one unless this is off; it is read when
-    # ray is imported and inherited by the processes of the embedded Ray
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    # ray is imported and by the processes of the embedded Ray, which inherit it (and the GPUs) from here
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
     if res.gpus is not None:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(res.gpus)
-    import ray
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(res.gpus)
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import ray
 
-    cpus = res.parallel * res.cpus_per_run if res.parallel else float(os.cpu_count() or 1)
-    ray.init(address="local", num_cpus=max(cpus, res.cpus_per_run), num_gpus=len(res.gpus or []),
-             include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=100 * 2**20,
-             log_to_driver=False, logging_level=logging.WARNING)
+        cpus = res.parallel * res.cpus_per_run if res.parallel else float(os.cpu_count() or 1)
+        ray.init(address="local", num_cpus=max(cpus, res.cpus_per_run), num_gpus=len(res.gpus or []),
+                 include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=100 * 2**20,
+                 log_to_driver=False, logging_level=logging.WARNING)
+    finally:  # the caller's environment as it was (a later `ray start` in it must not see the switch)
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     addresses = {n["NodeManagerAddress"] for n in ray.nodes()}
     if addresses != {"127.0.0.1"}:
         ray.shutdown()
