@@ -36,7 +36,7 @@ Failures: a trainer that exits non-zero (for example a memory state that turned 
 reports with where it arose) is restarted from its last checkpoint ``--retries`` times (default 1), then
 recorded as failed with the end of its log. A run whose worker or node dies is rescheduled by Ray (up to
 ``--retries`` times) and resumes from its checkpoint. SIGINT or SIGTERM to the sweep cancels the queued runs
-and passes the signal on to every trainer; the runs it stops are recorded as ``stopped`` and resume the next
+and stops every trainer with SIGTERM (through ``ray.cancel``); the runs it stops are recorded as ``stopped`` and resume the next
 time the sweep is started (tasks that have not ended a minute later are killed). A sweep killed outright
 (SIGKILL) takes its embedded Ray with it, and each trainer gets SIGTERM when its Ray worker dies. Every
 training process locks its run folder, so a second sweep (or a stray process) never writes into a run that is
@@ -269,12 +269,10 @@ STOPPED_BY = (-signal.SIGINT, -signal.SIGTERM)  # a trainer that died of these w
 
 
 class Board:
-    """The sweep's mailbox, a Ray actor on the driver's node: tasks report when a run starts (or restarts),
-    the driver posts the signal that stops the sweep and every task passes it on to its trainer."""
+    """The sweep's mailbox, a Ray actor on the driver's node: tasks report when a run starts (or restarts)."""
 
     def __init__(self) -> None:
         self._events: list[tuple[str, dict[str, Any]]] = []
-        self._stop: int | None = None
 
     def started(self, name: str, info: dict[str, Any]) -> None:
         self._events.append((name, info))
@@ -282,12 +280,6 @@ class Board:
     def drain(self) -> list[tuple[str, dict[str, Any]]]:
         events, self._events = self._events, []
         return events
-
-    def stop(self, signum: int) -> None:
-        self._stop = signum
-
-    def stopping(self) -> int | None:
-        return self._stop
 
 
 def _trainer_preexec(parent_pid: int) -> None:
@@ -299,16 +291,14 @@ def _trainer_preexec(parent_pid: int) -> None:
         _stop_with_parent(parent_pid)
 
 
-def _train_once(argv: list[str], env: dict[str, str], cwd: str | None, folder: Path, board: Any,
+def _train_once(argv: list[str], env: dict[str, str], cwd: str | None, folder: Path,
                 poll_s: float = 1.0) -> tuple[int, bool]:
     """One trainer process, its output appended to ``folder/train.log``; returns ``(returncode, stopped)``.
 
-    The sweep stops a run with ``ray.cancel``, which raises KeyboardInterrupt here; the trainer then gets the
-    signal that stopped the sweep. (No Ray call while waiting: a task blocked in ray.get or ray.wait lends its
-    CPUs to the next queued run, which would run more trainers than the resources allow.)
+    The sweep stops a run with ``ray.cancel``, which raises KeyboardInterrupt here; the trainer then gets
+    SIGTERM and ends with its last checkpoint. No Ray call here: a task blocked in ray.get or ray.wait lends its
+    CPUs to the next queued run (more trainers than the resources allow), and in a cancelled task ray.get fails.
     """
-    import ray
-
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "train.log", "a") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
@@ -322,7 +312,7 @@ def _train_once(argv: list[str], env: dict[str, str], cwd: str | None, folder: P
             except subprocess.TimeoutExpired:
                 pass
     except KeyboardInterrupt:
-        proc.send_signal(ray.get(board.stopping.remote()) or signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         while True:
             try:
                 proc.wait()
@@ -355,7 +345,7 @@ def train_run(spec: dict[str, Any], board: Any) -> dict[str, Any]:
             if attempt:
                 info = dict(info, started=time.time(), retry_after=rc)
             board.started.remote(spec["name"], info)  # no wait for the answer (see _train_once)
-            rc, stopped = _train_once(argv, env, cwd, folder, board)
+            rc, stopped = _train_once(argv, env, cwd, folder)
             if rc == 0 or stopped:
                 break
     except KeyboardInterrupt:  # cancelled between two trainers
@@ -446,8 +436,8 @@ def execute(runs: list[Run], res: Resources, *, status_path: Path, spec_name: st
             progress: bool = True) -> int:
     """Run the pending runs as Ray tasks; returns the number of failed runs.
 
-    A SIGINT/SIGTERM is passed on to every trainer (they are recorded as ``stopped``, not failed); tasks still
-    running ``STOP_GRACE_S`` later are killed, and their trainers with them.
+    A SIGINT/SIGTERM cancels every task, which stops its trainer with SIGTERM (recorded as ``stopped``, not
+    failed); tasks still running ``STOP_GRACE_S`` later are killed, and their trainers with them.
     """
     for r in runs:
         if (r.folder / "final_model.zip").exists():
@@ -502,9 +492,8 @@ def execute(runs: list[Run], res: Resources, *, status_path: Path, spec_name: st
                 _on_end(ray, refs.pop(ref), ref, bar, stopping=stopping is not None)
                 _write_status(status_path, spec_name, runs)
             if stopping and stop_sent is None:
-                ray.get(board.stop.remote(stopping))
                 stop_sent = time.time()
-                for ref in refs:  # a queued run is dropped; a running one passes the signal on to its trainer
+                for ref in refs:  # a queued run is dropped; a running one stops its trainer with SIGTERM
                     ray.cancel(ref)
             elif stop_sent is not None and time.time() > stop_sent + STOP_GRACE_S:
                 for ref in refs:
