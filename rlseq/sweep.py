@@ -1,9 +1,11 @@
-"""``python -m rlseq.sweep CONFIG.yaml``: expand a grid of training runs and run it on one machine.
+"""``python -m rlseq.sweep CONFIG.yaml``: expand a grid of training runs and run it with Ray, on this machine or
+on a cluster.
 
     python -m rlseq.sweep configs/experiments/caveflyer_scales.yml --dry-run
     python -m rlseq.sweep configs/experiments/caveflyer_scales.yml --gpus all --runs-per-gpu 3
     python -m rlseq.sweep configs/experiments/caveflyer_scales.yml --only memory=efla,deltanet --only condition=reward1e3
     python -m rlseq.sweep configs/experiments/caveflyer_scales.yml --status
+    python -m rlseq.sweep configs/experiments/caveflyer_scales.yml --address auto --gpus-per-run 0.33 --cpus-per-run 4
 
 The sweep file (YAML) names the grid and the flags of ``python -m rlseq.train`` that every run shares::
 
@@ -18,23 +20,31 @@ The sweep file (YAML) names the grid and the flags of ``python -m rlseq.train`` 
     runs_per_gpu: 3                 # default of --runs-per-gpu
 
 Each run is one ``python -m rlseq.train`` process writing ``<logdir>/<env>/<memory>-<condition>/seed<N>/``
-(its output goes to ``train.log`` in that folder). Runs are ordered seed by seed, so a grid cut short still
-has every memory and condition at the seeds it reached. A run whose folder holds ``final_model.zip`` is
-skipped; any other run is started with ``--resume``, so an interrupted run continues from its last
-checkpoint. Every run's flags are checked by the training CLI before anything starts.
+(its output goes to ``train.log`` in that folder), started by a Ray task that holds ``--cpus-per-run`` CPUs
+and ``--gpus-per-run`` GPUs (fractional: ``--runs-per-gpu 3`` is a third of a GPU each; Ray sets the task's
+``CUDA_VISIBLE_DEVICES``). Runs are queued seed by seed, so a grid cut short still has every memory and
+condition at the seeds it reached. A run whose folder holds ``final_model.zip`` is skipped; any other run is
+started with ``--resume``, so an interrupted run continues from its last checkpoint. Every run's flags are
+checked by the training CLI before anything starts.
 
-Parallelism: ``--runs-per-gpu`` processes on each GPU of ``--gpus`` (each pinned with
-``CUDA_VISIBLE_DEVICES``), or ``--parallel`` processes on the CPU with ``--gpus none``. Each process gets
-``OMP_NUM_THREADS`` = CPU cores / processes unless set. A run that exits non-zero (for example a memory
-state that turned NaN, which the trainer reports with where it arose) is recorded as failed with the end
-of its log and is not retried: a divergence is a result. SIGINT or SIGTERM to the sweep is passed on to the
-running processes and starts no new one; the runs it stops are recorded as ``stopped`` and resume from their
-last checkpoint the next time the sweep is started. A sweep killed outright (SIGKILL) cannot pass anything
-on; on Linux its training processes then get SIGTERM from the kernel. Every training process locks its run
-folder, so a second sweep (or a stray process) never writes into a run that is training: that run fails at
-once with the holder's pid. ``<logdir>/sweep-<name>.json`` holds the state of every
-run and is rewritten atomically whenever one starts or ends. The exit code is 0 when every run of the grid
-(or of ``--only``) finished, 1 when one failed or was stopped, 2 for a bad sweep file or flag.
+Where: without ``--address`` the sweep starts Ray inside itself on this machine (bound to 127.0.0.1, no
+dashboard; ``--gpus`` picks its GPUs, ``--parallel N`` gives it N runs' worth of CPUs) and stops it at the end.
+``--address auto|HOST:PORT`` joins a running cluster (``ray start --head`` / ``ray start --address ...``); the
+runs tree must then be on storage that every node sees under the same path (docs/multi_machine.md).
+
+Failures: a trainer that exits non-zero (for example a memory state that turned NaN, which the trainer
+reports with where it arose) is restarted from its last checkpoint ``--retries`` times (default 1), then
+recorded as failed with the end of its log. A run whose worker or node dies is rescheduled by Ray (up to
+``--retries`` times) and resumes from its checkpoint. SIGINT or SIGTERM to the sweep cancels the queued runs
+and stops every trainer with SIGTERM (through ``ray.cancel``); the runs it stops are recorded as ``stopped`` and resume the next
+time the sweep is started (tasks that have not ended a minute later are killed). A sweep killed outright
+(SIGKILL) takes its embedded Ray with it, and each trainer gets SIGTERM when its Ray worker dies. Every
+training process locks its run folder, so a second sweep (or a stray process) never writes into a run that is
+training: that run fails at once with the holder's pid. ``<logdir>/sweep-<name>.json`` holds the state of
+every run (node, GPU, attempts, env steps) and is rewritten atomically whenever one starts or ends; a progress
+bar over the grid's env steps (from the checkpoints) shows done / running / failed and the ETA. The exit code
+is 0 when every run of the grid (or of ``--only``) finished, 1 when one failed or was stopped, 2 for a bad
+sweep file or flag.
 """
 
 from __future__ import annotations
@@ -75,9 +85,12 @@ class Run:
     condition: str
     argv: list[str]
     folder: Path
+    total_steps: int = 0  # env steps of the finished run
     state: str = "pending"  # pending | finished | running | done | failed | stopped
     returncode: int | None = None
-    gpu: str | None = None
+    node: str | None = None  # the Ray node's address
+    gpu: str | None = None  # the GPU ids Ray gave it (None on the CPU)
+    attempts: int = 0  # trainer starts: retries after a failure and reschedules after a lost node count
     started: float | None = None
     seconds: float | None = None
     log_tail: list[str] = field(default_factory=list)
@@ -180,7 +193,7 @@ def expand(spec: dict[str, Any], only: dict[str, set[str]] | None = None, logdir
             cfg = resolve(args)
         except UsageError as e:
             raise SweepError(f"run {env}/{memory}-{cond}/seed{seed}: {e}") from None
-        run = Run(cfg["env"], str(memory), int(seed), cond, argv, run_dir(logdir, cfg))
+        run = Run(cfg["env"], str(memory), int(seed), cond, argv, run_dir(logdir, cfg), int(cfg["n_timesteps"]))
         twin = next((r for r in runs if r.folder == run.folder), None)
         if twin is not None:  # two processes would write one folder
             raise SweepError(f"the grid names run {run.name} twice (check for repeated envs, memories or seeds)")
@@ -198,13 +211,8 @@ def run_progress(run: Run) -> int:
     return int(ckpt.name[len("step"):]) if ckpt is not None else 0
 
 
-def _slots(gpus: list[str] | None, runs_per_gpu: int, parallel: int) -> list[str | None]:
-    if gpus is None:
-        return [None] * parallel
-    return [g for g in gpus for _ in range(runs_per_gpu)]
-
-
 def _parse_gpus(text: str) -> list[str] | None:
+    """``--gpus``: ``none`` -> None, ``all`` -> the GPUs this process sees, ``0,1`` -> those indices."""
     if text == "none":
         return None
     if text == "all":
@@ -213,7 +221,7 @@ def _parse_gpus(text: str) -> list[str] | None:
         n = torch.cuda.device_count()
         if n == 0:
             raise SweepError("--gpus all: no CUDA device is visible; use --gpus none --parallel N for the CPU")
-        # the child's CUDA_VISIBLE_DEVICES replaces ours: pin it to what we see (ours may be "2,3" or UUIDs)
+        # Ray hands out what CUDA_VISIBLE_DEVICES names: keep ours when it is set (it may be "2,3" or UUIDs)
         visible = [g.strip() for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
         return visible[:n] if len(visible) >= n else [str(i) for i in range(n)]
     gpus = [g.strip() for g in text.split(",") if g.strip()]
@@ -243,98 +251,305 @@ def log_tail(path: Path, n: int = 15) -> list[str]:
         return []
 
 
-def _stop_with_parent(sweep_pid: int) -> None:
-    """In a training process, before exec (Linux): get SIGTERM when the sweep dies, even by SIGKILL, so no
-    orphan keeps training into a folder that the next sweep resumes (its run-folder lock would refuse it)."""
+def _stop_with_parent(parent_pid: int) -> None:
+    """In a training process, before exec (Linux): get SIGTERM when its parent (the sweep's Ray worker) dies,
+    even by SIGKILL, so no orphan keeps training into a folder that the next sweep resumes (its run-folder
+    lock would refuse it)."""
     import ctypes
 
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    if os.getppid() != sweep_pid:  # the sweep died between the fork and prctl: no signal will come
+    if os.getppid() != parent_pid:  # the parent died between the fork and prctl: no signal will come
         os._exit(1)
 
 
-def execute(runs: list[Run], slots: list[str | None], *, status_path: Path, spec_name: str,
-            threads_per_run: int | None = None, poll_s: float = 0.5) -> int:
-    """Run the pending runs on ``slots`` (one process each); returns the number of failed runs.
+# --- one run: a Ray task on whichever node has its resources ----------------------------------------------
 
-    A SIGINT/SIGTERM is passed on to the running processes; they are recorded as ``stopped``, not failed.
+STOPPED_BY = (-signal.SIGINT, -signal.SIGTERM)  # a trainer that died of these was stopped, not failed
+
+
+class Board:
+    """The sweep's mailbox, a Ray actor on the driver's node: tasks report when a run starts (or restarts)."""
+
+    def __init__(self) -> None:
+        self._events: list[tuple[str, dict[str, Any]]] = []
+
+    def started(self, name: str, info: dict[str, Any]) -> None:
+        self._events.append((name, info))
+
+    def drain(self) -> list[tuple[str, dict[str, Any]]]:
+        events, self._events = self._events, []
+        return events
+
+
+def _trainer_preexec(parent_pid: int) -> None:
+    """Before exec: the trainer acts on SIGINT and SIGTERM whatever the Ray worker did with them (an ignored
+    signal stays ignored across exec), and dies with the worker on Linux."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    if sys.platform == "linux":
+        _stop_with_parent(parent_pid)
+
+
+def _train_once(argv: list[str], env: dict[str, str], cwd: str | None, folder: Path,
+                poll_s: float = 1.0) -> tuple[int, bool]:
+    """One trainer process, its output appended to ``folder/train.log``; returns ``(returncode, stopped)``.
+
+    The sweep stops a run with ``ray.cancel``, which raises KeyboardInterrupt here; the trainer then gets
+    SIGTERM and ends with its last checkpoint. No Ray call here: a task blocked in ray.get or ray.wait lends its
+    CPUs to the next queued run (more trainers than the resources allow), and in a cancelled task ray.get fails.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "train.log", "a") as log:
+        log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+                                preexec_fn=functools.partial(_trainer_preexec, os.getpid()))
+    try:
+        while proc.poll() is None:  # a blocking wait would defer the KeyboardInterrupt until the trainer ends
+            try:
+                proc.wait(timeout=poll_s)
+            except subprocess.TimeoutExpired:
+                pass
+    except KeyboardInterrupt:
+        proc.send_signal(signal.SIGTERM)
+        while True:
+            try:
+                proc.wait()
+                break
+            except KeyboardInterrupt:  # a second cancel: the trainer is stopping already
+                pass
+        return proc.returncode, True
+    return proc.returncode, proc.returncode in STOPPED_BY
+
+
+def train_run(spec: dict[str, Any], board: Any) -> dict[str, Any]:
+    """Train one run inside a Ray task: ``python -m rlseq.train ... --resume`` until it finishes, and again from
+    its last checkpoint after a non-zero exit, ``spec["retries"]`` times at most. A run that was stopped
+    (by the sweep or a signal) is not retried. Returns ``{"state", "returncode", "started", "ended", ...}``."""
+    import ray
+
+    gpus = [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(spec["threads"]),
+               CUDA_VISIBLE_DEVICES=",".join(gpus))
+    argv = [sys.executable, "-m", "rlseq.train", *spec["argv"], "--resume", "--no-progress-bar"]
+    if not gpus:
+        argv += ["--device", "cpu"]
+    cwd = spec["cwd"] if os.path.isdir(spec["cwd"]) else None
+    folder = Path(spec["folder"])
+    info: dict[str, Any] = {"node": ray.util.get_node_ip_address(), "gpu": ",".join(gpus) or None,
+                            "started": time.time()}
+    started, rc, stopped = info["started"], None, False
+    try:
+        for attempt in range(spec["retries"] + 1):
+            if attempt:
+                info = dict(info, started=time.time(), retry_after=rc)
+            board.started.remote(spec["name"], info)  # no wait for the answer (see _train_once)
+            rc, stopped = _train_once(argv, env, cwd, folder)
+            if rc == 0 or stopped:
+                break
+    except KeyboardInterrupt:  # cancelled between two trainers
+        stopped = True
+    state = "done" if rc == 0 else "stopped" if stopped else "failed"
+    return {"state": state, "returncode": rc, "started": started, "ended": time.time(), "node": info["node"],
+            "gpu": info["gpu"], "log_tail": log_tail(folder / "train.log") if state == "failed" else []}
+
+
+# --- the driver ----------------------------------------------------------------------------------------------
+
+STOP_GRACE_S = 60.0  # how long stopped trainers get to exit before their tasks are killed
+
+
+@dataclass
+class Resources:
+    """What each run asks of Ray, and where Ray runs: ``address`` None starts an embedded single-machine Ray."""
+
+    cpus_per_run: float = 1.0
+    gpus_per_run: float | None = None  # None: 1 / runs_per_gpu when there are GPUs, else 0
+    runs_per_gpu: int = 1
+    gpus: list[str] | None = None  # embedded Ray only: the GPUs it may use
+    parallel: int | None = None  # embedded Ray only: CPUs = parallel x cpus_per_run (default: every core)
+    address: str | None = None
+    threads_per_run: int | None = None
+    retries: int = 1
+
+
+def _start_ray(res: Resources) -> Any:
+    """Join the cluster at ``res.address``, or start Ray on this machine bound to 127.0.0.1, without the
+    dashboard, so that nothing on the network can reach it."""
+    import logging
+
+    if res.address is not None:
+        import ray
+
+        ray.init(address=res.address, log_to_driver=False, logging_level=logging.WARNING)
+        return ray
+    # ray.init swaps a loopback node address for the host's routable one unless this is off; it is read when
+    # ray is imported and by the processes of the embedded Ray, which inherit it (and the GPUs) from here
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    if res.gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(res.gpus)
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        import ray
+
+        cpus = res.parallel * res.cpus_per_run if res.parallel else float(os.cpu_count() or 1)
+        ray.init(address="local", num_cpus=max(cpus, res.cpus_per_run), num_gpus=len(res.gpus or []),
+                 include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=100 * 2**20,
+                 log_to_driver=False, logging_level=logging.WARNING)
+    finally:  # the caller's environment as it was (a later `ray start` in it must not see the switch)
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    addresses = {n["NodeManagerAddress"] for n in ray.nodes()}
+    if addresses != {"127.0.0.1"}:
+        ray.shutdown()
+        raise SweepError(f"the embedded Ray bound to {', '.join(sorted(addresses))} instead of 127.0.0.1 "
+                         "(was ray imported before rlseq.sweep set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0?)")
+    return ray
+
+
+def _plan(ray: Any, res: Resources) -> tuple[float, int]:
+    """GPUs per run and how many runs the cluster's live nodes hold at once; a run no node can hold is an error."""
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    gpus = res.gpus_per_run
+    if gpus is None:
+        gpus = 1.0 / res.runs_per_gpu if (res.gpus is not None or res.address) and any(n.get("GPU") for n in nodes) else 0.0
+    if res.address is None and res.gpus is None:
+        gpus = 0.0  # --gpus none
+    slots = [min(int(n.get("CPU", 0) / res.cpus_per_run + 1e-9), int(n.get("GPU", 0) / gpus + 1e-9) if gpus else 1 << 30)
+             for n in nodes]
+    if not any(slots):
+        have = ", ".join(f"{n.get('CPU', 0):g} CPU/{n.get('GPU', 0):g} GPU" for n in nodes)
+        raise SweepError(f"no Ray node can hold a run of {res.cpus_per_run:g} CPU and {gpus:g} GPU (nodes: {have})")
+    return gpus, sum(slots)
+
+
+def _steps(run: Run) -> int:
+    return run.total_steps if (run.folder / "final_model.zip").exists() else min(run.total_steps, run_progress(run))
+
+
+def execute(runs: list[Run], res: Resources, *, status_path: Path, spec_name: str, poll_s: float = 0.5,
+            progress: bool = True) -> int:
+    """Run the pending runs as Ray tasks; returns the number of failed runs.
+
+    A SIGINT/SIGTERM cancels every task, which stops its trainer with SIGTERM (recorded as ``stopped``, not
+    failed); tasks still running ``STOP_GRACE_S`` later are killed, and their trainers with them.
     """
     for r in runs:
         if (r.folder / "final_model.zip").exists():
             r.state = "finished"
     queue = [r for r in runs if r.state == "pending"]
-    free = list(slots)
-    active: dict[subprocess.Popen, tuple[Run, str | None]] = {}
-    threads = threads_per_run or max(1, (os.cpu_count() or 1) // max(1, len(slots)))
-    stopping: int | None = None  # the signal that stops the sweep
-    signalled: set[subprocess.Popen] = set()  # processes it was passed on to: stopped, not failed
-
-    def forward(new_only: bool = False) -> None:
-        for proc in list(active):
-            if not (new_only and proc in signalled):
-                signalled.add(proc)
-                proc.send_signal(stopping)  # a no-op for a process that has exited
+    if not queue:
+        print(f"sweep {spec_name}: {len(runs)} runs, {len(runs)} finished already, 0 to run", flush=True)
+        _write_status(status_path, spec_name, runs)
+        return 0
+    ray = _start_ray(res)
+    stopping: int | None = None
 
     def stop(signum, _frame):
         nonlocal stopping
         stopping = signum
-        forward()
 
     old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
-    print(f"sweep {spec_name}: {len(runs)} runs, {len(runs) - len(queue)} finished already, {len(queue)} to run "
-          f"on {len(slots)} slots", flush=True)
-    _write_status(status_path, spec_name, runs)
+    refs: dict[Any, Run] = {}
+    bar = None
     try:
-        while (queue and not stopping) or active:
-            while queue and free and not stopping:
-                run, slot = queue.pop(0), free.pop(0)
-                env = dict(os.environ, PYTHONUNBUFFERED="1")
-                if threads_per_run:  # an explicit --threads-per-run wins over the environment
-                    env["OMP_NUM_THREADS"] = str(threads_per_run)
-                else:
-                    env.setdefault("OMP_NUM_THREADS", str(threads))
-                argv = [sys.executable, "-m", "rlseq.train", *run.argv, "--resume", "--no-progress-bar"]
-                if slot is None:
-                    env["CUDA_VISIBLE_DEVICES"] = ""
-                    argv += ["--device", "cpu"]
-                else:
-                    env["CUDA_VISIBLE_DEVICES"] = slot
-                run.folder.mkdir(parents=True, exist_ok=True)
-                with open(run.folder / "train.log", "a") as log:
-                    log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
-                    log.flush()
-                    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                            preexec_fn=functools.partial(_stop_with_parent, os.getpid())
-                                            if sys.platform == "linux" else None)
-                run.state, run.gpu, run.started = "running", slot, time.time()
-                active[proc] = (run, slot)
-                if stopping:  # the signal came between Popen and here
-                    forward(new_only=True)
-                print(f"start  {run.name}  gpu={slot if slot is not None else 'cpu'}  "
-                      f"from step {run_progress(run):,}", flush=True)
+        gpus_per_run, slots = _plan(ray, res)
+        print(f"sweep {spec_name}: {len(runs)} runs, {len(runs) - len(queue)} finished already, {len(queue)} to run "
+              f"on {slots} slots ({res.cpus_per_run:g} CPU, {gpus_per_run:g} GPU each; "
+              f"{len(ray.nodes())} Ray node{'s' * (len(ray.nodes()) > 1)})", flush=True)
+        _write_status(status_path, spec_name, runs)
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        from tqdm.auto import tqdm
+
+        board = ray.remote(Board).options(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            ray.get_runtime_context().get_node_id(), soft=False)).remote()
+        task = ray.remote(train_run)
+        # max_retries: a run whose worker or node died is rescheduled (and resumes from its checkpoint)
+        opts = {"num_cpus": res.cpus_per_run, "num_gpus": gpus_per_run, "max_retries": res.retries}
+        threads = res.threads_per_run or max(1, int(res.cpus_per_run))
+        for run in queue:
+            logdir_at = run.argv.index("--logdir") + 1
+            argv = [*run.argv[:logdir_at], str(Path(run.argv[logdir_at]).absolute()), *run.argv[logdir_at + 1:]]
+            spec = {"name": run.name, "argv": argv, "folder": str(run.folder.absolute()), "cwd": os.getcwd(),
+                    "threads": threads, "retries": res.retries}
+            refs[task.options(**opts, name=f"rlseq.sweep:{run.name}").remote(spec, board)] = run
+        bar = tqdm(total=sum(r.total_steps for r in runs), initial=sum(_steps(r) for r in runs), unit="step",
+                   unit_scale=True, smoothing=0, dynamic_ncols=True, disable=not progress,
+                   mininterval=1 if sys.stderr.isatty() else 30, desc=f"sweep {spec_name}")
+        stop_sent = None
+        while refs:
+            ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=poll_s)
+            by_name = {r.name: r for r in runs}
+            for name, info in ray.get(board.drain.remote()):
+                _on_start(by_name[name], info, bar)
                 _write_status(status_path, spec_name, runs)
-            for proc in [p for p in active if p.poll() is not None]:
-                run, slot = active.pop(proc)
-                run.returncode, run.seconds = proc.returncode, time.time() - run.started
-                run.state = "done" if proc.returncode == 0 else "stopped" if proc in signalled else "failed"
-                run.log_tail = log_tail(run.folder / "train.log") if run.state == "failed" else []
-                free.append(slot)
-                print(f"{run.state:6} {run.name}  rc={proc.returncode}  {run.seconds / 60:.1f} min  "
-                      f"steps={run_progress(run):,}", flush=True)
-                for line in run.log_tail[-3:]:
-                    print(f"       | {line}", flush=True)
+            for ref in ready:
+                _on_end(ray, refs.pop(ref), ref, bar, stopping=stopping is not None)
                 _write_status(status_path, spec_name, runs)
-            time.sleep(poll_s)
+            if stopping and stop_sent is None:
+                stop_sent = time.time()
+                for ref in refs:  # a queued run is dropped; a running one stops its trainer with SIGTERM
+                    ray.cancel(ref)
+            elif stop_sent is not None and time.time() > stop_sent + STOP_GRACE_S:
+                for ref in refs:
+                    ray.cancel(ref, force=True)
+            counts = {s: sum(r.state == s for r in runs) for s in ("running", "failed", "pending")}
+            bar.set_postfix_str(f"{sum(r.state in ('done', 'finished') for r in runs)} done, {counts['running']} "
+                                f"running, {counts['failed']} failed, {counts['pending']} queued", refresh=False)
+            bar.update(sum(_steps(r) for r in runs) - bar.n)  # redraws at most every mininterval
     finally:
+        for ref in refs:  # an error in the driver: no task may outlive it
+            ray.cancel(ref, force=True)
         for s, h in old.items():
             signal.signal(s, h)
+        if bar is not None:
+            bar.close()
+        ray.shutdown()
         _write_status(status_path, spec_name, runs)
     failed = [r for r in runs if r.state == "failed"]
     left = [r for r in runs if r.state in ("pending", "running", "stopped")]
     print(f"sweep {spec_name}: {sum(r.state in ('done', 'finished') for r in runs)} finished, {len(failed)} failed"
           + (f", {len(left)} not run (stopped)" if left else ""), flush=True)
     return len(failed)
+
+
+def _on_start(run: Run, info: dict[str, Any], bar: Any) -> None:
+    run.attempts += 1
+    if run.state in ("done", "failed", "stopped"):  # its end overtook this message
+        return
+    run.state, run.node, run.gpu = "running", info["node"], info["gpu"]
+    run.started = run.started or info["started"]
+    why = f"  retry after rc={info['retry_after']}" if "retry_after" in info else (
+        "  rescheduled" if run.attempts > 1 else "")
+    bar.write(f"start  {run.name}  node={run.node}  gpu={run.gpu or 'cpu'}  from step {run_progress(run):,}{why}")
+
+
+def _on_end(ray: Any, run: Run, ref: Any, bar: Any, *, stopping: bool) -> None:
+    from ray.exceptions import RayError, TaskCancelledError
+
+    try:
+        out = ray.get(ref)
+    except TaskCancelledError:
+        run.state = "stopped" if run.state == "running" else "pending"
+    except RayError as e:  # a task killed while stopping, or lost more often than --retries allows
+        run.state = "stopped" if stopping else "failed"
+        run.log_tail = [*log_tail(run.folder / "train.log"), f"ray: {type(e).__name__}: {str(e).splitlines()[0]}"]
+        run.seconds = time.time() - run.started if run.started else None
+    else:
+        run.state, run.returncode, run.log_tail = out["state"], out["returncode"], out["log_tail"]
+        run.started = run.started or out["started"]
+        run.seconds, run.node, run.gpu = out["ended"] - run.started, out["node"], out["gpu"]
+    if run.state == "pending":
+        return
+    took = f"  {run.seconds / 60:.1f} min" if run.seconds is not None else ""
+    bar.write(f"{run.state:6} {run.name}  rc={run.returncode}{took}  steps={run_progress(run):,}")
+    for line in run.log_tail[-3:]:
+        bar.write(f"       | {line}")
 
 
 def print_status(runs: list[Run]) -> None:
@@ -363,17 +578,51 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m rlseq.sweep", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("sweep", help="sweep YAML file, e.g. configs/experiments/caveflyer_scales.yml")
+    p.add_argument("--address", default=None, metavar="auto|HOST:PORT",
+                   help="join a running Ray cluster (ray start --head ...); default: start Ray on this machine only")
+    p.add_argument("--cpus-per-run", type=float, default=1.0, help="Ray CPUs each run holds (default 1)")
+    p.add_argument("--gpus-per-run", type=float, default=None,
+                   help="Ray GPUs each run holds, fractional to share a GPU (default: 1 / runs-per-gpu when there are GPUs, else 0)")
+    p.add_argument("--runs-per-gpu", type=int, default=None, help="runs sharing one GPU (default: the file's runs_per_gpu, else 1)")
     p.add_argument("--gpus", default=None,
-                   help="all, none, or indices like 0,1 (default: all when CUDA is available, else none)")
-    p.add_argument("--runs-per-gpu", type=int, default=None, help="processes per GPU (default: the file's runs_per_gpu, else 1)")
-    p.add_argument("--parallel", type=int, default=1, help="processes with --gpus none (default 1)")
-    p.add_argument("--threads-per-run", type=int, default=None, help="OMP_NUM_THREADS per run (default: cores / processes)")
+                   help="this machine only: all, none, or indices like 0,1 (default: all when CUDA is available, else none)")
+    p.add_argument("--parallel", type=int, default=None,
+                   help="this machine only: runs at once, i.e. Ray gets parallel x cpus-per-run CPUs (default: every core)")
+    p.add_argument("--threads-per-run", type=int, default=None, help="OMP_NUM_THREADS per run (default: cpus-per-run)")
+    p.add_argument("--retries", type=int, default=1,
+                   help="times a failed run restarts from its last checkpoint, and a run whose node died is rescheduled (default 1)")
     p.add_argument("--only", action="append", default=[], metavar="KEY=V1,V2",
                    help=f"restrict the grid; KEY one of {', '.join(FILTER_KEYS)}; repeatable")
     p.add_argument("--logdir", default=None, help="override the file's logdir")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (the start/end lines stay)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
     p.add_argument("--status", action="store_true", help="print each run's state and exit")
     return p
+
+
+def _resources(args: argparse.Namespace, spec: dict[str, Any]) -> Resources:
+    per_gpu = args.runs_per_gpu or int(spec.get("runs_per_gpu", 1))
+    if per_gpu < 1 or (args.parallel is not None and args.parallel < 1):
+        raise SweepError("--runs-per-gpu and --parallel must be >= 1")
+    if args.cpus_per_run <= 0 or (args.gpus_per_run is not None and args.gpus_per_run < 0) or args.retries < 0:
+        raise SweepError("--cpus-per-run must be > 0, --gpus-per-run and --retries >= 0")
+    if args.address is not None:
+        if args.gpus not in (None, "none") or args.parallel is not None:
+            raise SweepError("--gpus and --parallel apply to the Ray this sweep starts; on a cluster each node offers "
+                             "what `ray start` gave it (use --gpus-per-run and --cpus-per-run)")
+        gpus = None
+        gpus_per_run = 0.0 if args.gpus == "none" else args.gpus_per_run
+    else:
+        gpus_text = args.gpus
+        if gpus_text is None:
+            import torch
+
+            gpus_text = "all" if torch.cuda.is_available() else "none"
+        gpus = _parse_gpus(gpus_text)
+        gpus_per_run = args.gpus_per_run
+    return Resources(cpus_per_run=args.cpus_per_run, gpus_per_run=gpus_per_run, runs_per_gpu=per_gpu, gpus=gpus,
+                     parallel=args.parallel, address=args.address, threads_per_run=args.threads_per_run,
+                     retries=args.retries)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -389,21 +638,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.status:
             print_status(runs)
             return 0
-        gpus_text = args.gpus
-        if gpus_text is None:
-            import torch
-
-            gpus_text = "all" if torch.cuda.is_available() else "none"
-        per_gpu = args.runs_per_gpu or int(spec.get("runs_per_gpu", 1))
-        if per_gpu < 1 or args.parallel < 1:
-            raise SweepError("--runs-per-gpu and --parallel must be >= 1")
-        slots = _slots(_parse_gpus(gpus_text), per_gpu, args.parallel)
+        res = _resources(args, spec)
+        logdir = Path(args.logdir if args.logdir is not None else spec["logdir"])
+        execute(runs, res, status_path=logdir / f"sweep-{spec['name']}.json", spec_name=spec["name"],
+                progress=not args.no_progress)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logdir = Path(args.logdir if args.logdir is not None else spec["logdir"])
-    execute(runs, slots, status_path=logdir / f"sweep-{spec['name']}.json", spec_name=spec["name"],
-            threads_per_run=args.threads_per_run)
     return 0 if all(r.state in ("done", "finished") for r in runs) else 1
 
 

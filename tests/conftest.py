@@ -24,3 +24,7 @@ def restore_tf32():
     yield
     torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = before[:2]
     torch.set_float32_matmul_precision(before[2])
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: starts Ray clusters or RL Zoo trainings (minutes; CI runs them)")

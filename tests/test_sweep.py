@@ -132,10 +132,8 @@ def test_missing_sweep_file_and_bad_parallelism(tmp_path, capsys):
     assert "--parallel must be >= 1" in capsys.readouterr().err
 
 
-def test_gpu_slots(monkeypatch, capsys):
-    assert S._slots(S._parse_gpus("0,1"), 2, 5) == ["0", "0", "1", "1"]
-    assert S._slots(S._parse_gpus(" 3 "), 3, 1) == ["3", "3", "3"]
-    assert S._slots(S._parse_gpus("none"), 3, 2) == [None, None]
+def test_gpus_and_the_resources_each_run_asks_of_ray(monkeypatch, capsys):
+    assert S._parse_gpus("0,1") == ["0", "1"] and S._parse_gpus(" 3 ") == ["3"] and S._parse_gpus("none") is None
     for bad in ("gpu0", "", ",", "0,a", "-1", "0;1"):
         with pytest.raises(S.SweepError, match="--gpus takes all, none or comma-separated GPU indices"):
             S._parse_gpus(bad)
@@ -144,7 +142,7 @@ def test_gpu_slots(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(S.SweepError, match="no CUDA device is visible"):
         S._parse_gpus("all")
-    # "all" pins each child to one of the GPUs this process sees, not to a physical index
+    # "all" hands Ray the GPUs this process sees, not physical indices
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     assert S._parse_gpus("all") == ["3", "5"]
@@ -152,6 +150,25 @@ def test_gpu_slots(monkeypatch, capsys):
     assert S._parse_gpus("all") == ["0", "1"]
     assert S.main([str(SCALES), "--gpus", "1,x"]) == 2
     assert "error: --gpus takes" in capsys.readouterr().err
+
+    class FakeRay:  # what _plan reads of a cluster
+        def __init__(self, *nodes):
+            self._nodes = [{"Alive": alive, "Resources": r} for alive, r in nodes]
+
+        def nodes(self):
+            return self._nodes
+
+    two_gpus = FakeRay((True, {"CPU": 16.0, "GPU": 2.0}), (True, {"CPU": 4.0}), (False, {"CPU": 64.0, "GPU": 8.0}))
+    # runs_per_gpu 3: a third of a GPU each, 6 runs on the GPU node; the CPU-only node holds none
+    assert S._plan(two_gpus, S.Resources(runs_per_gpu=3, gpus=["0", "1"])) == (pytest.approx(1 / 3), 6)
+    assert S._plan(two_gpus, S.Resources(cpus_per_run=4, gpus_per_run=0.5, address="auto")) == (0.5, 4)
+    assert S._plan(two_gpus, S.Resources(cpus_per_run=2, gpus=None)) == (0.0, 10)  # --gpus none: the CPUs only
+    with pytest.raises(S.SweepError, match="no Ray node can hold a run of 32 CPU and 0 GPU"):
+        S._plan(two_gpus, S.Resources(cpus_per_run=32, gpus=None))
+    for bad in (["--cpus-per-run", "0"], ["--gpus-per-run", "-1"], ["--retries", "-1"],
+                ["--address", "auto", "--gpus", "0"], ["--address", "auto", "--parallel", "2"]):
+        assert S.main([str(SCALES), *bad]) == 2
+        assert capsys.readouterr().err.startswith("error: ")
 
 
 # --- tiny sweeps on the CPU -----------------------------------------------------------------------------
