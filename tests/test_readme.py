@@ -32,6 +32,7 @@ RULES: list[tuple[str, str | list[str]]] = [
     (r"^(python3? -m )?pip install", "an install step: CI's own install did it"),
     (r"-m pytest", "the test run itself"),
     (r"^tensorboard ", "a server"),
+    (r"^ray start ", "a node of a Ray cluster (tests/test_ray_cluster.py starts a real one)"),
     (r"-m rlseq\.train ", TINY_TRAIN),
     (r"-m rlseq\.bench memory --report-only", []),
     (r"-m rlseq\.bench memory --quick", TINY_BENCH_MEMORY),
