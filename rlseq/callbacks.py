@@ -37,13 +37,14 @@ class Progress(BaseCallback):
     rate on a CPU, that the config is sized for a GPU, with ``smaller`` (a command to use instead). After the first
     update it prints the measured rate of acting and training together and the time the run will take. Then one
     line every ``every_s`` seconds (on a terminal: the same line rewritten every second) with the env steps, the
-    rate since the start and the time left at that rate, the same measure as the estimate.
+    rate since the start and the time left at that rate, the same measure as the estimate (``lines=False``: the
+    first two messages only).
     """
 
     def __init__(self, total: int, *, on_cpu: bool, smaller: str | None = None, first_s: float = 10.0,
-                 every_s: float | None = None):
+                 every_s: float | None = None, lines: bool = True):
         super().__init__()
-        self.total, self.on_cpu, self.smaller, self.first_s = total, on_cpu, smaller, first_s
+        self.total, self.on_cpu, self.smaller, self.first_s, self.lines = total, on_cpu, smaller, first_s, lines
         self.tty = sys.stdout.isatty()
         self.every_s = every_s if every_s is not None else (1.0 if self.tty else 30.0)
         self.first_printed = self.estimate_printed = False
@@ -67,7 +68,7 @@ class Progress(BaseCallback):
             if self.on_cpu and left / rate > 3600:
                 print("this config is sized for a GPU" + (f"; a CPU-sized run: {self.smaller}" if self.smaller else ""),
                       flush=True)
-        if now - self.last >= self.every_s:
+        if self.lines and now - self.last >= self.every_s:
             self.last = now
             self._line(now)
         return True
@@ -81,7 +82,7 @@ class Progress(BaseCallback):
                   f"update: about {_duration(left / rate)} for the remaining {left:,} steps", flush=True)
 
     def _on_training_end(self) -> None:
-        if self.tty:
+        if self.lines and self.tty:
             self._line(time.perf_counter())
             print(flush=True)
 

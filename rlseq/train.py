@@ -288,8 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--total-steps and --checkpoint-every may change). SIGINT and SIGTERM save a checkpoint at "
                         "the next rollout start and print this command")
     p.add_argument("--no-progress-bar", action="store_true",
-                   help="print no progress (otherwise: the speed after 10 s, the estimate after the first update, then "
-                        "a progress line every second on a terminal, every 30 s in a log file)")
+                   help="no progress lines (the speed after 10 s and the estimate after the first update are "
+                        "printed still; otherwise then a line every second on a terminal, every 30 s in a log file)")
     p.add_argument("--verbose", type=int, default=0)
     return p
 
@@ -633,10 +633,10 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     model.set_logger(tensorboard_logger(folder, stdout=bool(args.verbose), purge_step=purge_step))
     checkpoints = CheckpointCallback(ckpt_root, cfg["checkpoint_every"])
     callbacks = [ScaledReturnLogger(), checkpoints]
-    if not args.no_progress_bar:
-        smaller = (f"python -m rlseq.train --env popgym-RepeatPreviousEasy-v0 --memory {cfg['memory']} (about a "
-                   "minute), or this command with --total-steps 2048 --n-envs 8 --n-steps 64 --tag smoke")
-        callbacks.append(Progress(cfg["n_timesteps"], on_cpu=device == "cpu", smaller=smaller))
+    smaller = (f"python -m rlseq.train --env popgym-RepeatPreviousEasy-v0 --memory {cfg['memory']} (about a "
+               "minute), or this command with --total-steps 2048 --n-envs 8 --n-steps 64 --tag smoke")
+    callbacks.append(Progress(cfg["n_timesteps"], on_cpu=device == "cpu", smaller=smaller,
+                              lines=not args.no_progress_bar))
     remaining = cfg["n_timesteps"] - model.num_timesteps
     if remaining > 0:
         with stop_on_signals(checkpoints):
