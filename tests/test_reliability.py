@@ -113,13 +113,15 @@ def test_a_missing_vecnormalize_file_is_a_broken_checkpoint_not_a_run_without_re
 
 
 def test_no_intact_checkpoint_is_refused_and_nothing_is_deleted(interrupted, capsys, monkeypatch):
+    import rlseq.resume as R
     import rlseq.train as T
 
     ckpt = _folder(interrupted) / "checkpoints"
     for step in ("step32", "step48"):
         (ckpt / step / "rng.pt").write_bytes(b"torn")
     before = sorted(p.relative_to(ckpt) for p in ckpt.rglob("*"))
-    monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built for a refused resume"))
+    for module in (T, R):  # a fresh start builds its env in rlseq.train, a resumed run in rlseq.resume
+        monkeypatch.setattr(module, "make_env", lambda *a, **k: pytest.fail("an env was built for a refused resume"))
     with pytest.raises(SystemExit) as e:
         train_main(_argv(interrupted, 64, "--resume"))
     assert e.value.code == 2
@@ -185,9 +187,11 @@ def _config(tmp_path: Path, **changes) -> Path:
 
 def _refused(argv: list[str], tmp_path: Path, capsys, monkeypatch) -> list[str]:
     """The error lines of a run that must be refused before anything is built or written."""
+    import rlseq.resume as R
     import rlseq.train as T
 
-    monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built before validation"))
+    for module in (T, R):  # a fresh start builds its env in rlseq.train, a resumed run in rlseq.resume
+        monkeypatch.setattr(module, "make_env", lambda *a, **k: pytest.fail("an env was built before validation"))
     logdir = tmp_path / "runs"
     with pytest.raises(SystemExit) as e:
         train_main([*argv, "--logdir", str(logdir)])

@@ -303,11 +303,12 @@ def test_the_cli_config_sets_tf32():
 
 
 def test_a_config_that_asks_for_env_groups_is_refused_by_name(monkeypatch):
+    import rlseq.config as C
     import rlseq.train as T
 
-    real = T.load_config
+    real = C.load_config
     for groups, refused in ((1, False), (2, True)):
-        monkeypatch.setattr(T, "load_config", lambda *a, g=groups: {**real(*a), "env_groups": g})
+        monkeypatch.setattr(C, "load_config", lambda *a, g=groups: {**real(*a), "env_groups": g})
         args = T.build_parser().parse_args(["--env", "CartPole-v1", "--n-envs", "2", "--n-minibatches", "1"])
         if refused:
             with pytest.raises(T.UsageError, match="env_groups is not an option"):

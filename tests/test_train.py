@@ -182,9 +182,11 @@ def test_memory_state_nan_is_reported_with_where():
     ],
 )
 def test_bad_flags_fail_fast_with_the_valid_choices(argv, message, tmp_path, capsys, monkeypatch):
+    import rlseq.resume as R
     import rlseq.train as T
 
-    monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built before validation"))
+    for module in (T, R):  # a fresh start builds its env in rlseq.train, a resumed run in rlseq.resume
+        monkeypatch.setattr(module, "make_env", lambda *a, **k: pytest.fail("an env was built before validation"))
     with pytest.raises(SystemExit) as e:
         train_main(argv + ["--logdir", str(tmp_path)])
     assert e.value.code == 2
@@ -633,6 +635,7 @@ def test_acting_under_vectransposeimage_transposes_on_the_device_with_the_same_r
 
 
 def test_a_run_folder_in_use_is_refused_and_free_again_once_its_holder_ends(tmp_path, capsys, monkeypatch):
+    import rlseq.resume as R
     import rlseq.train as T
     from rlseq.checkpoint import LOCK_NAME, run_folder_lock
 
@@ -640,14 +643,16 @@ def test_a_run_folder_in_use_is_refused_and_free_again_once_its_holder_ends(tmp_
     argv = ["--env", "caveflyer", "--memory", "efla", "--total-steps", "32", "--seed", "5", "--logdir", str(tmp_path),
             "--no-progress-bar", *TINY]
     build = T.make_env
-    monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built for a folder in use"))
+    for module in (T, R):  # a fresh start builds its env in rlseq.train, a resumed run in rlseq.resume
+        monkeypatch.setattr(module, "make_env", lambda *a, **k: pytest.fail("an env was built for a folder in use"))
     with run_folder_lock(folder):  # stands for another training process
         for extra in ([], ["--resume"]):
             with pytest.raises(SystemExit) as e:
                 train_main(argv + extra)
             assert e.value.code == 2
             assert f"run folder {folder} is in use by another training process (pid {os.getpid()})" in capsys.readouterr().err
-    monkeypatch.setattr(T, "make_env", build)
+    for module in (T, R):
+        monkeypatch.setattr(module, "make_env", build)
     train_main(argv)  # a folder holding only the released lock is a fresh run, not "exists; pass --resume"
     assert (folder / "final_model.zip").exists() and (folder / LOCK_NAME).exists()
 
@@ -655,10 +660,12 @@ def test_a_run_folder_in_use_is_refused_and_free_again_once_its_holder_ends(tmp_
 
 def test_cuda_graph_train_without_fused_adam_is_refused_on_a_resume_that_finds_no_checkpoint(tmp_path, capsys,
                                                                                              monkeypatch):
+    import rlseq.resume as R
     import rlseq.train as T
 
     # resolve() leaves this check to the checkpoint on --resume; with none found the run starts fresh and must check
-    monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built for a refused run"))
+    for module in (T, R):  # a fresh start builds its env in rlseq.train, a resumed run in rlseq.resume
+        monkeypatch.setattr(module, "make_env", lambda *a, **k: pytest.fail("an env was built for a refused run"))
     (tmp_path / "caveflyer" / "efla" / "seed0").mkdir(parents=True)  # killed before its first checkpoint
     with pytest.raises(SystemExit) as e:
         train_main(["--env", "caveflyer", "--memory", "efla", "--logdir", str(tmp_path), "--no-progress-bar",

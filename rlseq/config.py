@@ -1,0 +1,329 @@
+"""The hyperparameters of a training run: the config files, the keys they may hold and their checks, and how
+:func:`resolve` merges a file with the command-line flags into one checked config (building nothing).
+
+:class:`UsageError` lives here, below every other training module, so that each of them can raise it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import difflib
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+ALGOS = ("rlseq", "sb3-recurrent-ppo")
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+DEFAULT_CONFIG = CONFIG_DIR / "procgen.yml"
+# env family -> its config file; the file's entry named like the family is the default of its envs
+FAMILY_CONFIGS = {"procgen": DEFAULT_CONFIG, "popgym": CONFIG_DIR / "popgym.yml", "gym": CONFIG_DIR / "gym.yml"}
+# flags (and env_kwargs keys) that only procgen takes
+PROCGEN_OPTIONS = ("distribution_mode", "num_levels", "start_level", "num_threads")
+# flag name -> config key, for the flags that override hyperparameters
+FLAG_TO_KEY = {
+    "total_steps": "n_timesteps", "n_envs": "n_envs", "n_steps": "n_steps", "n_minibatches": "n_minibatches",
+    "n_epochs": "n_epochs", "learning_rate": "learning_rate", "reward_scale": "reward_scale",
+    "value_shift": "value_shift", "prev_action_reward": "prev_action_reward", "checkpoint_every": "checkpoint_every",
+    "normalize_reward": "normalize_reward", "amp": "amp", "fused_adam": "fused_adam", "cuda_graph": "cuda_graph",
+    "cuda_graph_train": "cuda_graph_train", "channels_last": "channels_last", "tf32": "tf32",
+}
+AMP_CHOICES = ("bf16", "none")
+# --fast: what it sets, unless the flag is given itself
+FAST_PRESET = {"amp": "bf16", "fused_adam": True, "channels_last": True, "tf32": True}
+# cuda_graph_train in a config file: auto (or null) uses the training graph whenever the model allows it
+CUDA_GRAPH_TRAIN_VALUES = ("auto", "null", "true", "false")
+# a run folder's name part given by --tag: one plain folder name
+TAG_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+=-]*")
+
+
+class UsageError(ValueError):
+    """A bad flag or name, reported before any env or model is built (one ``error:`` line per line of the message)."""
+
+
+def _whole(low: int) -> Callable[[Any], int]:
+    """Checker of a count: an int, a float or a numeric string ("1e6") with an integral value >= ``low``."""
+
+    def check(value: Any) -> int:
+        number = _number(value)
+        if not number.is_integer() or number < low:
+            raise ValueError(f"must be a whole number >= {low}")
+        return int(number)
+
+    return check
+
+
+def _real(low: float | None = None, high: float | None = None, *, above: bool = False) -> Callable[[Any], float]:
+    """Checker of a finite float in ``[low, high]`` (``(low, high]`` with ``above``); numeric strings such as
+    "5e-4", which YAML 1.1 reads as strings, are converted."""
+
+    def check(value: Any) -> float:
+        number = _number(value)
+        if (low is not None and (number < low or (above and number == low))) or (high is not None and number > high):
+            raise ValueError(f"must be {'>' if above else '>='} {low}" + (f" and <= {high}" if high is not None else ""))
+        return number
+
+    return check
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError("must be a number (YAML reads yes/no/on/off as booleans)" if isinstance(value, bool)
+                         else "must be a number")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ValueError("must be a number") from None
+    if not math.isfinite(number):
+        raise ValueError("must be finite")
+    return number
+
+
+def _boolean(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError("must be true or false")
+    return value
+
+
+def _mapping(value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ValueError("must be a mapping (key: value entries)")
+    return value
+
+
+def _cuda_graph_train(value: Any) -> str | bool:
+    try:
+        return parse_cuda_graph_train(value)
+    except UsageError as e:
+        raise ValueError("is not valid; " + str(e).split(" is not valid; ", 1)[1]) from None
+
+
+def _amp(value: Any) -> str | None:
+    if value not in (None, False, "none", "bf16"):
+        raise ValueError(f"is not supported; valid: {', '.join(AMP_CHOICES)}")
+    return value
+
+
+# every key a config entry may hold -> its checker (returns the value converted)
+CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
+    **dict.fromkeys(("n_timesteps", "n_envs", "n_steps", "n_minibatches", "n_epochs", "checkpoint_every",
+                     "env_groups"), _whole(1)),
+    "learning_rate": _real(0, above=True), "gamma": _real(0, 1, above=True), "gae_lambda": _real(0, 1),
+    "ent_coef": _real(0), "vf_coef": _real(0), "clip_range": _real(0, above=True), "max_grad_norm": _real(0, above=True),
+    "reward_scale": _real(0, above=True), "value_shift": _real(),
+    **dict.fromkeys(("normalize_reward", "prev_action_reward", "fused_adam", "channels_last", "tf32", "cuda_graph"),
+                    _boolean),
+    "amp": _amp, "cuda_graph_train": _cuda_graph_train,
+    **dict.fromkeys(("env_kwargs", "policy_kwargs", "memory_kwargs"), _mapping),
+}
+
+
+def unknown_keys(entry: dict[str, Any], where: str) -> list[str]:
+    """One message per key of a config ``entry`` that :data:`CONFIG_KEYS` does not know, with close matches."""
+    messages = []
+    for key in entry:
+        if key not in CONFIG_KEYS:
+            close = difflib.get_close_matches(str(key), CONFIG_KEYS, n=3)
+            hint = f"did you mean {' or '.join(close)}? " if close else ""
+            messages.append(f"unknown key {key!r} in {where}; {hint}valid keys: {', '.join(CONFIG_KEYS)}")
+    return messages
+
+
+def check_values(cfg: dict[str, Any], origin: dict[str, str]) -> list[str]:
+    """Convert every key of ``cfg`` in place with its checker; one message per bad value, naming where it came
+    from (``origin``: key -> flag or file)."""
+    messages = []
+    for key, checker in CONFIG_KEYS.items():
+        if key not in cfg:
+            continue
+        try:
+            cfg[key] = checker(cfg[key])
+        except ValueError as e:
+            messages.append(f"{key} {cfg[key]!r} {e} ({origin.get(key, 'config')})")
+    return messages
+
+
+# what ppo_kwargs() and make_env() read without a default
+REQUIRED_KEYS = ("n_timesteps", "n_envs", "n_steps", "n_minibatches", "n_epochs", "checkpoint_every", "learning_rate",
+                 "gamma", "gae_lambda", "ent_coef", "vf_coef", "clip_range", "max_grad_norm")
+
+
+def check_flags(args: argparse.Namespace) -> list[str]:
+    """One message per bad flag that names no config key: --seed, --tag, --device."""
+    problems = []
+    if not 0 <= args.seed < 2**31:
+        problems.append(f"--seed {args.seed} must be >= 0 and < 2**31 (procgen's level seeds are C ints)")
+    if args.tag is not None and not TAG_PATTERN.fullmatch(args.tag):
+        problems.append(f"--tag {args.tag!r} must be one plain folder name (letters, digits, . _ + = -, not starting "
+                        "with . or -)")
+    return problems + device_problems(getattr(args, "device", "auto"))
+
+
+def device_problems(name: str) -> list[str]:
+    """``[]`` for auto, cpu and a CUDA device this host has; else why not."""
+    import torch
+
+    if name == "auto":
+        return []
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        return [f"--device {name!r} is not a device; valid: auto, cpu, cuda, cuda:N"]
+    if device.type == "cuda" and not torch.cuda.is_available():
+        return [f"--device {name}: this host has no CUDA device (torch.cuda.is_available() is False); "
+                "use --device cpu or auto"]
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        return [f"--device {name}: this host has {torch.cuda.device_count()} CUDA device(s)"]
+    return []
+
+
+def memories() -> tuple[str, ...]:
+    """The memory names ``--memory`` takes (:data:`rlseq.policies.memory.MEMORIES`; imports torch)."""
+    from rlseq.policies.memory import MEMORIES
+
+    return tuple(MEMORIES)
+
+
+def load_config(path: Path, env: str, family: str = "procgen") -> dict[str, Any]:
+    """The hyperparameters of ``env`` from an RL Zoo-style file (its own key, else the default entry named like
+    its ``family``: ``procgen``, ``popgym`` or ``gym``)."""
+    if not path.exists():
+        raise UsageError(f"config file {path} does not exist")
+    with open(path) as f:
+        table = yaml.safe_load(f) or {}
+    if env in table:
+        return copy.deepcopy(table[env])
+    if family in table:
+        return copy.deepcopy(table[family])
+    raise UsageError(f"{path} has no entry for {env!r} and no {family!r} default; "
+                     f"entries: {', '.join(map(str, table))}")
+
+
+def resolve(args: argparse.Namespace) -> dict[str, Any]:
+    """Validate names and merge config file + flags into one resolved config. Builds nothing."""
+    from rlseq.envs import PROCGEN_DISTRIBUTION_MODES, resolve_env_id
+
+    if args.memory not in memories():
+        raise UsageError(f"unknown memory {args.memory!r}; valid memories: {', '.join(memories())}")
+    if args.algo not in ALGOS:
+        raise UsageError(f"unknown algo {args.algo!r}; valid algos: {', '.join(ALGOS)}")
+    if args.algo == "sb3-recurrent-ppo" and args.memory == "none":
+        raise UsageError("--algo sb3-recurrent-ppo needs a recurrent memory "
+                         f"({', '.join(m for m in memories() if m != 'none')}); "
+                         "use --algo rlseq --memory none for the memoryless control")
+    try:
+        env_id = resolve_env_id(args.env, getattr(args, "env_package", None) or ())
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    env, family = env_id.id, env_id.family
+    procgen_flags = ["--" + key.replace("_", "-") for key in PROCGEN_OPTIONS if getattr(args, key, None) is not None]
+    if family != "procgen" and procgen_flags:
+        raise UsageError(f"{', '.join(procgen_flags)}: procgen options, and {env} is a gymnasium env (its own "
+                         "options go to gymnasium.make as env_kwargs in a --config file)")
+    if getattr(args, "fast", False) and args.algo != "rlseq":
+        raise UsageError("--fast needs --algo rlseq (its bf16 CNN and channels-last are MemoryPPO's; sb3-contrib's "
+                         "RecurrentPPO has no autocast): give --fused-adam --tf32 instead")
+    path = Path(args.config) if args.config else FAMILY_CONFIGS[family]
+    cfg = load_config(path, env, family)
+    problems = unknown_keys(cfg, f"{path} (entry of {env})") + check_flags(args)
+    origin = dict.fromkeys(cfg, str(path))
+    for flag, key in FLAG_TO_KEY.items():
+        value, option = asked(args, flag)
+        if value is not None:
+            cfg[key], origin[key] = value, option
+    problems += check_values(cfg, origin)
+    problems += [f"{key} is missing from {path} (entry of {env})" for key in REQUIRED_KEYS if key not in cfg]
+    if problems:
+        raise UsageError("\n".join(problems))
+    env_kwargs = cfg["env_kwargs"] = dict(cfg.get("env_kwargs") or {})
+    if family == "procgen":
+        for key in PROCGEN_OPTIONS:
+            if getattr(args, key) is not None:
+                env_kwargs[key] = getattr(args, key)
+        mode = env_kwargs.get("distribution_mode", "easy")
+        if mode not in PROCGEN_DISTRIBUTION_MODES[env]:
+            raise UsageError(f"distribution mode {mode!r} is not valid for {env}; valid: {', '.join(PROCGEN_DISTRIBUTION_MODES[env])}")
+    elif set(PROCGEN_OPTIONS) & set(env_kwargs):
+        raise UsageError(f"env_kwargs {', '.join(sorted(set(PROCGEN_OPTIONS) & set(env_kwargs)))} of the config are "
+                         f"procgen options; {env} is a gymnasium env and gets env_kwargs through gymnasium.make")
+    if cfg["n_envs"] % cfg["n_minibatches"]:
+        raise UsageError(f"--n-minibatches {cfg['n_minibatches']} must divide --n-envs {cfg['n_envs']}")
+    if int(cfg.pop("env_groups", 1)) != 1:  # all envs step at once: there is nothing to split
+        raise UsageError("env_groups is not an option of rlseq.train: remove it from the config (all envs step at once)")
+    if cfg.get("value_shift") and not cfg.get("gamma"):
+        raise UsageError("value_shift needs gamma in the config")
+    cfg["amp"] = None if cfg.get("amp") in (None, "none", False) else cfg["amp"]
+    if cfg["amp"] not in (None, "bf16"):
+        raise UsageError(f"amp {cfg['amp']!r} is not supported; valid: bf16, none")
+    if cfg["amp"] and args.algo != "rlseq":
+        raise UsageError("--amp needs --algo rlseq (sb3-contrib's RecurrentPPO has no autocast)")
+    cfg["fused_adam"] = bool(cfg.get("fused_adam", False))
+    cfg["tf32"] = bool(cfg.get("tf32", False))
+    cfg["cuda_graph"] = bool(cfg.get("cuda_graph", True)) and args.algo == "rlseq"
+    # "auto", True or False; train() records what runs once the model is known
+    cfg["cuda_graph_train"] = parse_cuda_graph_train(cfg.get("cuda_graph_train", "auto")) if args.algo == "rlseq" else False
+    cfg["channels_last"] = bool(cfg.get("channels_last", False))
+    if cfg["channels_last"] and args.algo != "rlseq":
+        raise UsageError("--channels-last needs --algo rlseq")
+    if args.cuda_graph and args.algo != "rlseq":
+        raise UsageError("--cuda-graph needs --algo rlseq (sb3-contrib's RecurrentPPO acts eagerly)")
+    if args.cuda_graph and args.device == "cpu":
+        raise UsageError("--cuda-graph needs a GPU; drop it with --device cpu")
+    if args.cuda_graph_train and args.algo != "rlseq":
+        raise UsageError("--cuda-graph-train needs --algo rlseq")
+    if args.cuda_graph_train and args.device == "cpu":
+        raise UsageError("--cuda-graph-train needs a GPU; drop it with --device cpu")
+    if args.cuda_graph_train and args.algo == "rlseq":
+        from rlseq.policies.memory import memory_class
+
+        why = memory_class(args.memory).train_graph_obstacle
+        if why is not None:
+            raise UsageError(f"--cuda-graph-train cannot capture the {args.memory} memory ({why})")
+    if not args.resume:  # on --resume the checkpoint's fused_adam holds: checked once it is known
+        _check_cuda_graph_train(args, cfg)
+    memory_kwargs = cfg.pop("memory_kwargs", {}) or {}
+    cfg.update(env=env, env_family=family, env_packages=list(env_id.packages), memory=args.memory, algo=args.algo,
+               seed=args.seed, tag=args.tag, memory_kwargs=dict(memory_kwargs.get(args.memory, {}) or {}))
+    return cfg
+
+
+def asked(args: argparse.Namespace, flag: str) -> tuple[Any, str | None]:
+    """The value of ``flag`` (a :data:`FLAG_TO_KEY` name) from the command line and the option that set it: the flag
+    itself when given, else ``--fast``'s preset value, else ``(None, None)`` (the config decides)."""
+    value = getattr(args, flag, None)
+    if value is not None:
+        return value, "--" + flag.replace("_", "-")
+    if getattr(args, "fast", False) and flag in FAST_PRESET:
+        return FAST_PRESET[flag], "--fast"
+    return None, None
+
+
+def parse_cuda_graph_train(value: Any) -> str | bool:
+    """A config's ``cuda_graph_train``: ``"auto"`` (also null), True or False."""
+    if value is None or isinstance(value, bool):
+        return "auto" if value is None else value
+    text = str(value).strip().lower()
+    if text in CUDA_GRAPH_TRAIN_VALUES:
+        return {"auto": "auto", "null": "auto", "true": True, "false": False}[text]
+    raise UsageError(f"cuda_graph_train {value!r} is not valid; valid: {', '.join(CUDA_GRAPH_TRAIN_VALUES)} "
+                     "(auto and null: the training graph wherever it can be used)")
+
+
+def cuda_graph_train_arg(value: str | bool) -> bool | None:
+    """``MemoryPPO``'s ``cuda_graph_train`` for a resolved config's value (``"auto"`` -> None)."""
+    return None if value == "auto" else bool(value)
+
+
+def _check_cuda_graph_train(args: argparse.Namespace, cfg: dict[str, Any]) -> None:
+    """``--cuda-graph-train`` asked for on the command line with unfused Adam would only warn and train eagerly:
+    refuse it instead (a config file's ``cuda_graph_train`` falls back with the model's warning)."""
+    if args.cuda_graph_train and not cfg["fused_adam"]:
+        raise UsageError("--cuda-graph-train needs --fused-adam (fused Adam skips the update of a non-finite loss "
+                         "inside the graph)")

@@ -1,0 +1,129 @@
+"""``--resume``: the checkpoint a run continues from, the settings it may not change, and the model and env
+restored from that checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlseq.build import _algo_class, make_env, saved_speed_settings
+from rlseq.config import UsageError, _check_cuda_graph_train, asked, cuda_graph_train_arg
+
+
+def _resume_point(folder: Path) -> Path | None:
+    """The checkpoint ``--resume`` continues from (None: a fresh start), after removing the temporary folders of
+    killed saves; says which checkpoints it skips and why, and refuses when none of them is intact."""
+    from rlseq.checkpoint import checkpoint_folders, remove_stale_temporaries, resumable_checkpoint
+
+    root = folder / "checkpoints"
+    for path in remove_stale_temporaries(root) if root.is_dir() else []:
+        print(f"removed {path}, left by a checkpoint save that did not finish", flush=True)
+    latest, warnings = resumable_checkpoint(root)
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    if latest is None and checkpoint_folders(root):
+        raise UsageError(f"no checkpoint in {root} is intact (see the warnings above); nothing was deleted. "
+                         f"Move {root} away to start the run again from step 0")
+    if latest is None and any(folder.glob("events.out.tfevents.*")):
+        print(f"{folder} has no checkpoint yet: starting it again from step 0", flush=True)
+    return latest
+
+
+# keys a resumed run may change: the budget, the checkpoint interval, how much it prints, where it runs and how
+# acting and training are launched (the same computation); amp, fused_adam and channels_last are the checkpoint's
+# (see _adopt_saved_speed_settings); a change of TF32 (rounding on a GPU) is stated
+RESUME_FREE_KEYS = frozenset({"n_timesteps", "checkpoint_every", "verbose", "device", "cuda_graph",
+                              "cuda_graph_train", "amp", "fused_adam", "channels_last", "tf32"})
+RESUME_STATED_KEYS = ("tf32",)
+
+
+def refuse_changed_settings(cfg: dict[str, Any], folder: Path) -> None:
+    """On ``--resume``: refuse a setting that differs from the run's ``config.yaml``, listing every difference
+    (a key the older file lacks is not compared)."""
+    path = folder / "config.yaml"
+    if not path.exists():
+        print(f"warning: {path} is missing: the settings of the resumed run cannot be checked", file=sys.stderr)
+        return
+    saved = yaml.safe_load(path.read_text()) or {}
+    changed = [f"  {key}: {saved[key]!r} in the run, {cfg[key]!r} now" for key in sorted(set(cfg) & set(saved))
+               if key not in RESUME_FREE_KEYS and _comparable(key, cfg[key]) != _comparable(key, saved[key])]
+    for key in RESUME_STATED_KEYS:
+        if key in saved and cfg.get(key) != saved[key]:
+            print(f"note: {key} was {saved[key]!r} in the run and is {cfg.get(key)!r} from now on", file=sys.stderr)
+    if changed:
+        raise UsageError("\n".join([f"--resume with other settings than the run's ({path}); resume with the same "
+                                     "ones (only --total-steps and --checkpoint-every may change), or start a new "
+                                     "run with another --tag:", *changed]))
+
+
+def _comparable(key: str, value: Any) -> Any:
+    """``value`` without what a resumed run may change inside it: procgen's worker-thread count."""
+    if key == "env_kwargs" and isinstance(value, dict):
+        return {k: v for k, v in value.items() if k != "num_threads"}
+    return value
+
+
+def resumed_env_seed(seed: int, step: int) -> int:
+    """The env seed of a run resumed at env step ``step`` (``seed`` itself at step 0): a resumed run plays new
+    levels / episodes instead of replaying those of its first start. Below 2**30, so that env ``i`` seeded
+    ``+ i`` stays a procgen C int and below the evaluation seeds of :mod:`rlseq.evaluate`."""
+    import numpy as np
+
+    if step == 0:
+        return seed
+    return int(np.random.SeedSequence([seed, step]).generate_state(1)[0]) % 2**30
+
+
+def _load_checkpoint(latest: Path, cfg: dict[str, Any], args: argparse.Namespace, device: str):
+    """``(model, env)`` restored from the checkpoint folder ``latest``: weights, optimizer, reward statistics and
+    RNG states; the env is seeded with :func:`resumed_env_seed` and starts fresh episodes."""
+    import torch
+
+    from rlseq.checkpoint import set_rng_state
+
+    step = int(latest.name[len("step"):])
+    env = make_env({**cfg, "normalize_reward": False}, seed=resumed_env_seed(cfg["seed"], step))
+    env = _load_reward_statistics(latest, env)
+    model = _algo_class(cfg).load(latest / "model.zip", env=env, device=device)
+    try:
+        _adopt_saved_speed_settings(cfg, model, args)
+        _check_cuda_graph_train(args, cfg)
+    except UsageError:
+        env.close()
+        raise
+    if cfg["algo"] == "rlseq":
+        # how acting and training are launched, not what they compute: the flags decide
+        model.cuda_graph, model.cuda_graph_train = cfg["cuda_graph"], cuda_graph_train_arg(cfg["cuda_graph_train"])
+        model.tf32 = cfg["tf32"]
+    set_rng_state(torch.load(latest / "rng.pt", weights_only=False))
+    env.seed(resumed_env_seed(cfg["seed"], model.num_timesteps))  # SB3's load seeded it with the run's seed
+    model._last_obs = None  # the env's episodes start afresh: learn() resets it, and the memory starts empty
+    return model, env
+
+
+def _load_reward_statistics(checkpoint: Path, env):
+    """``env`` with the VecNormalize statistics saved in ``checkpoint`` (if any)."""
+    from rlseq.checkpoint import load_vecnormalize
+
+    return load_vecnormalize(checkpoint, env)
+
+
+def _adopt_saved_speed_settings(cfg: dict[str, Any], model, args: argparse.Namespace) -> None:
+    """On ``--resume`` the checkpoint's amp / fused-Adam / channels-last settings hold (saved in its ``policy_kwargs``);
+    a flag (or ``--fast``) that asks for something else is refused rather than silently ignored."""
+    saved = saved_speed_settings(model)
+    for key in ("amp", "fused_adam", "channels_last"):
+        value, option = asked(args, key)
+        if value is not None and (None if value == "none" else value) != saved[key]:
+            if option == "--fast":
+                keep = f"--amp {saved[key] or 'none'}" if key == "amp" else \
+                    f"--{'' if saved[key] else 'no-'}{key.replace('_', '-')}"
+                raise UsageError(f"the run was trained with {key}={saved[key]}, and --fast asks for {key}={value}; "
+                                 f"resume it without --fast, or add {keep} to keep the checkpoint's setting")
+            raise UsageError(f"the run was trained with {key}={saved[key]}; resume it without {option} "
+                             "or with the same setting")
+    cfg.update(saved)
