@@ -1,6 +1,6 @@
 """``python -m rlseq.bench memory``: does each memory remember? PPO on POPGym tasks, per variant, seed and task.
 
-    python -m rlseq.bench memory --quick         # a slice, 14.7 min on 2 cores: runs/memory_benchmark_quick.md
+    python -m rlseq.bench memory --quick         # a slice, 9.1 min on 2 cores: runs/memory_benchmark_quick.md
     python -m rlseq.bench memory --jobs 16       # the full grid into docs/memory_benchmark/
     python -m rlseq.bench memory --report-only --out docs/memory_benchmark   # docs/memory_benchmark.md again
 
@@ -442,8 +442,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"a slice: {', '.join(short_task(t) for t in QUICK['tasks'])}; "
                              f"{', '.join(QUICK['variants'])}; seeds {', '.join(map(str, QUICK['seeds']))}; "
-                             f"{QUICK['steps']:,} steps (flags given win). Measured: 14.7 min with --jobs 2 on a "
-                             "2-core AMD EPYC VM that other work shared for part of the time")
+                             f"{QUICK['steps']:,} steps (flags given win). Measured: 9.1 min with --jobs 2 on a "
+                             "2-core x86-64 VM that other work shared for part of the time")
     parser.add_argument("--report-only", action="store_true", help="rewrite <out>.md and <out>/curves.png from "
                                                                    "<out>/results and exit")
     parser.add_argument("--dry-run", action="store_true", help="print each run's state and training command, and exit")
