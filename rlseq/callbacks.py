@@ -53,6 +53,11 @@ class Progress(BaseCallback):
         self.t0 = self.last = time.perf_counter()
         self.n0 = self.model.num_timesteps
 
+    @property
+    def _newline(self) -> str:
+        """Ends a terminal's rewritten progress line before a message."""
+        return "\n" if self.tty else ""
+
     def _rate(self, now: float) -> float:
         return (self.model.num_timesteps - self.n0) / max(now - self.t0, 1e-9)
 
@@ -62,7 +67,7 @@ class Progress(BaseCallback):
             self.first_printed = True
             rate = self._rate(now)
             left = max(0, self.total - self.model.num_timesteps)
-            print(f"{'' if not self.tty else chr(10)}first {now - self.t0:.0f} s: acting at {rate:,.0f} env-steps/s, so "
+            print(f"{self._newline}first {now - self.t0:.0f} s: acting at {rate:,.0f} env-steps/s, so "
                   f"the remaining {left:,} steps take at least {_duration(left / rate)} (training comes on top; "
                   "the estimate follows the first update)", flush=True)
             if self.on_cpu and left / rate > 3600:
@@ -78,7 +83,7 @@ class Progress(BaseCallback):
         if not self.estimate_printed and self.model.num_timesteps > self.n0:
             self.estimate_printed = True
             rate, left = self._rate(now), max(0, self.total - self.model.num_timesteps)
-            print(f"{'' if not self.tty else chr(10)}measured {rate:,.0f} env-steps/s over the first rollout and its "
+            print(f"{self._newline}measured {rate:,.0f} env-steps/s over the first rollout and its "
                   f"update: about {_duration(left / rate)} for the remaining {left:,} steps", flush=True)
 
     def _on_training_end(self) -> None:

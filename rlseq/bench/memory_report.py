@@ -272,7 +272,7 @@ def returns_table(out: str | Path, *, reps: int = REPS) -> str:
     """The report's final-return table (markdown) for the terminal."""
     res = load_results(Path(out))
     summary, tasks, variants = _layout(res, grid_of(res.manifest), reps)
-    return "\n".join(_returns_table(res, summary, tasks, variants, reps)[4:]).rstrip()
+    return "\n".join(_returns_rows(res, summary, tasks, variants))
 
 
 def _provenance(res: Results, grid: dict[str, Any]) -> list[str]:
@@ -316,20 +316,24 @@ def _budget(res: Results, grid: dict[str, Any], tasks: list[str]) -> list[str]:
 
 
 def _returns_table(res: Results, summary: pd.DataFrame, tasks: list[str], variants: list[str], reps: int) -> list[str]:
+    return ["## Final evaluation return", "",
+            f"IQM over seeds of each run's mean evaluation return, with its 95% percentile stratified-bootstrap CI "
+            f"(rliable, {reps} resamples; the IQM is the mean below 4 seeds). `random`: the mean return of "
+            "uniformly random actions (chance); `none`: the same network without memory (the memoryless "
+            "reference)." + (" POPGym returns lie in [-1, 1]." if all(t.startswith("popgym-") for t in tasks) else ""),
+            "", *_returns_rows(res, summary, tasks, variants), ""]
+
+
+def _returns_rows(res: Results, summary: pd.DataFrame, tasks: list[str], variants: list[str]) -> list[str]:
+    """The final-return table alone: header, rule and one row per task."""
     cells = {(r.task, r.variant): r for r in summary.itertuples()}
-    lines = ["## Final evaluation return", "",
-             f"IQM over seeds of each run's mean evaluation return, with its 95% percentile stratified-bootstrap CI "
-             f"(rliable, {reps} resamples; the IQM is the mean below 4 seeds). `random`: the mean return of "
-             "uniformly random actions (chance); `none`: the same network without memory (the memoryless "
-             "reference)." + (" POPGym returns lie in [-1, 1]." if all(t.startswith("popgym-") for t in tasks) else ""),
-             "",
-             "| task | random | " + " | ".join(variants) + " |", "|---|---:|" + "---:|" * len(variants)]
+    lines = ["| task | random | " + " | ".join(variants) + " |", "|---|---:|" + "---:|" * len(variants)]
     for t in tasks:
         rnd = res.random.get(t)
         row = [short_task(t), _num(rnd["mean"]) if rnd else "n/a"]
         row += [_cell(cells[t, v]) if (t, v) in cells else "–" for v in variants]
         lines.append("| " + " | ".join(row) + " |")
-    return lines + [""]
+    return lines
 
 
 def _verdict_lines(summary: pd.DataFrame, tasks: list[str], variants: list[str]) -> list[str]:

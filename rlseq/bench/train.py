@@ -48,8 +48,9 @@ PHASES = ("env", "act", "buffer", "train_forward", "train_backward", "optimizer"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", default="caveflyer")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), type=_variant, metavar="VARIANT[+OPTION]",
-                        help=f"{', '.join(VARIANTS)}; options (rlseq variants): {', '.join(OPTIONS)} (tf32: any variant)")
+    parser.add_argument("--variants", nargs="+", default=None, type=_variant, metavar="VARIANT[+OPTION]",
+                        help=f"{', '.join(VARIANTS)} (default: all; sb3-lstm-impala only on procgen); options (rlseq "
+                             f"variants): {', '.join(OPTIONS)} (tf32: any variant)")
     parser.add_argument("--n-envs", type=int, default=None, help="default: the config's (64)")
     parser.add_argument("--n-steps", type=int, default=None, help="default: the config's (256)")
     parser.add_argument("--n-minibatches", type=int, default=None)
@@ -257,6 +258,10 @@ def _same_options_baseline(variant: str, base: dict[str, float]) -> float | None
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.variants is None:  # the IMPALA-CNN anchor needs images: procgen's
+        from rlseq.envs import env_family
+
+        args.variants = [v for v in VARIANTS if v != "sb3-lstm-impala" or env_family(args.env) == "procgen"]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     if not device.startswith("cuda") and any(settings(v, args)["cuda_graph"] for v in args.variants):
         raise SystemExit("CUDA-graph acting (--cuda-graph, +graph) needs a GPU device")
