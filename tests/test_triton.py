@@ -71,7 +71,7 @@ def _run(inp, rule, backend, dtype, *, grads, with_h0=True, with_resets=True, co
     return o.cpu(), s.cpu(), {n: x[n].grad.cpu() for n in used}
 
 
-def _check(inp, rule, dtype, *, grads=True, **kw):
+def _check(inp, rule, dtype, *, grads=True, tol=None, **kw):
     # oracle: the float64 step loop on the inputs as the kernel sees them (rounded to dtype)
     rounded = {n: (t.to(dtype).double() if t.is_floating_point() and n != "initial_state" else t) for n, t in inp.items()}
     o_r, s_r, g_r = _run(rounded, rule, "reference", torch.float64, grads=grads,
@@ -83,8 +83,9 @@ def _check(inp, rule, dtype, *, grads=True, **kw):
         for n in g_r:
             assert g[n].dtype == (torch.float32 if n == "initial_state" else dtype), n
             errs["d" + n] = rel_err(g[n], g_r[n])
-    bad = {n: e for n, e in errs.items() if not e <= TOL[dtype]}
-    assert not bad, f"{rule} {dtype}: {bad} (tol {TOL[dtype]}; all {errs})"
+    tol = TOL[dtype] if tol is None else tol
+    bad = {n: e for n, e in errs.items() if not e <= tol}
+    assert not bad, f"{rule} {dtype}: {bad} (tol {tol}; all {errs})"
 
 
 # --- the gate: the in-kernel twin of rules.unit_key_scales ------------------------------------------------------
@@ -229,9 +230,12 @@ def test_chunk_v_blocks_bf16_and_no_state():
 
 @pytest.mark.parametrize("prec", ["tf32x3", "tf32"])
 def test_chunk_dot_precision_reaches_every_kernel(prec):
-    """The interpreter computes every tl.dot in fp32 whatever input_precision says: this checks the plumbing; the
-    precision itself is checked on the GPU (python -m rlseq.bench.gpu_check)."""
-    _check(_inputs(1, 20, 1, 16, 32, "efla", seed=53), "efla", torch.float32, config=dict(prec=prec, block_v=16))
+    """The interpreter computes every tl.dot in fp32 whatever input_precision says: there this checks the plumbing.
+    On a GPU single-pass TF32 dots (10-bit mantissas) are held to the bf16 tolerance; ``python -m rlseq.bench
+    gpu-check`` checks the precision of the shipped launch table."""
+    tol = TOL[torch.bfloat16] if prec == "tf32" and not INTERPRET else None
+    _check(_inputs(1, 20, 1, 16, 32, "efla", seed=53), "efla", torch.float32, tol=tol,
+           config=dict(prec=prec, block_v=16))
 
 
 def test_launch_table():
