@@ -12,8 +12,8 @@ Layout of an output folder OUT (written by :mod:`rlseq.bench.memory`; small enou
     OUT.md                                             the report (docs/memory_benchmark -> docs/memory_benchmark.md)
 
 Statistics: per task and variant the IQM of the seeds' final evaluation returns with a 95% percentile
-stratified-bootstrap CI (rliable, through :func:`rlseq.compare._bootstrap_ci`); env-steps/s as the median
-over runs.
+stratified-bootstrap CI (rliable, through :func:`rlseq.compare.summarize`); env-steps/s as the median over
+runs.
 """
 
 from __future__ import annotations
@@ -143,28 +143,20 @@ def load_results(out: str | Path) -> Results:
 
 # ------------------------------------------------------------------------------------------------ statistics
 def summarize(runs: pd.DataFrame, *, reps: int = REPS, seed: int = 0) -> pd.DataFrame:
-    """One row per (task, variant): ``n`` seeds, ``iqm`` of their final evaluation returns
-    (``rliable.metrics.aggregate_iqm``: 25% trimmed mean, which equals the mean below 4 seeds), ``ci_low`` /
-    ``ci_high`` (95% percentile stratified-bootstrap CI, ``reps`` resamples, seeded; NaN with one seed) and
-    ``mean``."""
-    from rlseq.compare import _bootstrap_ci, _rliable
+    """One row per (task, variant): ``n`` seeds, ``iqm`` of their final evaluation returns with its 95% CI
+    (``ci_low`` / ``ci_high``, NaN with one seed) and ``mean``: :func:`rlseq.compare.summarize` of one point per
+    seed, the run's evaluation return."""
+    from rlseq.compare import summarize as compare_summary
 
-    _, metrics = _rliable()
-
-    def iqm(scores: np.ndarray) -> np.ndarray:
-        return np.array([metrics.aggregate_iqm(scores)])
-
-    rows = []
-    for (task, variant), g in runs.groupby(["task", "variant"], sort=False):
-        x = g.sort_values("seed")["eval_mean"].to_numpy(np.float64)
-        scores = x.reshape(len(x), 1)  # rliable's (runs, tasks): one task, its seeds stratified together
-        lo = hi = math.nan
-        if len(x) > 1:
-            lo_a, hi_a = _bootstrap_ci(scores, iqm, reps=reps, seed=seed)
-            lo, hi = float(lo_a[0]), float(hi_a[0])
-        rows.append({"task": task, "variant": variant, "n": len(x), "iqm": float(iqm(scores)[0]),
-                     "ci_low": lo, "ci_high": hi, "mean": float(x.mean())})
-    return pd.DataFrame(rows, columns=["task", "variant", "n", "iqm", "ci_low", "ci_high", "mean"])
+    columns = ["task", "variant", "n", "iqm", "ci_low", "ci_high", "mean"]
+    if runs.empty:
+        return pd.DataFrame(columns=columns)
+    points = pd.DataFrame({"env": runs["task"], "variant": runs["variant"], "seed": runs["seed"],
+                           "step": 0, "tag": "eval", "value": runs["eval_mean"].astype(np.float64)})
+    s = compare_summary(points, metric="eval", reps=reps, seed=seed)
+    s = s.rename(columns={"env": "task", "n_seeds": "n", "iqm_ci_low": "ci_low", "iqm_ci_high": "ci_high",
+                          "final_mean": "mean"})
+    return s[columns]
 
 
 def _interval(row: Any) -> tuple[float, float]:
