@@ -36,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlseq.bench.memory_report import (CURVES_PNG, MANIFEST, random_path, read_manifest, returns_table, run_paths,
+                                       short_task, write_report)
+from rlseq.bench.timing import cpu_model
 from rlseq.sweep import _stop_with_parent, _train_once, log_tail
-from rlseq.bench.memory_report import (CURVES_PNG, MANIFEST, random_path, read_manifest, report_path, returns_table,
-                                       run_paths, short_task, write_report)
 
 TASKS = ("popgym-RepeatPreviousEasy-v0", "popgym-RepeatFirstEasy-v0", "popgym-CountRecallEasy-v0",
          "popgym-AutoencodeEasy-v0", "popgym-PositionOnlyCartPoleEasy-v0", "popgym-VelocityOnlyCartpoleEasy-v0",
@@ -138,18 +139,6 @@ def budget_conflicts(runs: list[BenchRun], out: Path, logdir: Path) -> list[str]
 
 
 # ------------------------------------------------------------------------------------------------ environment
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def versions() -> dict[str, str]:
     """Python, the libraries a result depends on, and rlseq's git commit (``+dirty``: rlseq/ or configs/ had
     uncommitted changes)."""
@@ -466,17 +455,16 @@ def command(args: argparse.Namespace, g: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _record_invocation(out: Path, entry: dict[str, Any]) -> int:
+def _record_invocation(out: Path, entry: dict[str, Any], index: int | None = None) -> int:
+    """Append ``entry`` to ``out``'s manifest, or update invocation ``index`` with it; returns its index."""
     manifest = read_manifest(out)
-    manifest["invocations"].append(entry)
+    invocations = manifest["invocations"]
+    if index is None:
+        invocations.append(entry)
+    else:
+        invocations[index].update(entry)
     _write_json(out / MANIFEST, manifest)
-    return len(manifest["invocations"]) - 1
-
-
-def _finish_invocation(out: Path, index: int, **fields: Any) -> None:
-    manifest = read_manifest(out)
-    manifest["invocations"][index].update(fields)
-    _write_json(out / MANIFEST, manifest)
+    return len(invocations) - 1 if index is None else index
 
 
 def main(args: argparse.Namespace) -> None:
@@ -522,7 +510,7 @@ def main(args: argparse.Namespace) -> None:
             answers = execute(runs, out, logdir, jobs=g["jobs"], episodes=g["episodes"], device=args.device,
                               extra=g["extra"])
         finally:
-            _finish_invocation(out, index, wall_s=time.time() - t0)
+            _record_invocation(out, {"wall_s": time.time() - t0}, index)
     try:
         report = write_report(out)
     except FileNotFoundError:
