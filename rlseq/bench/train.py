@@ -137,32 +137,21 @@ def _build(variant: str, args: argparse.Namespace, device: str):
         cfg = _config(args, variant.split("-", 1)[1], "rlseq", speed)
         model = build_model(cfg, make_env(cfg, seed=args.seed), device)
     else:
-        cfg = _config(args, "lstm", "rlseq")
+        cfg = {**_config(args, "lstm", "rlseq"), "algo": "sb3-recurrent-ppo"}
         env = make_env(cfg, seed=args.seed)
-        common = dict(ppo_kwargs(cfg, device), batch_size=cfg["n_envs"] * cfg["n_steps"] // cfg["n_minibatches"])
         kind = observation_kind(env.observation_space)[0]
-        if kind != "image":  # vector envs: the CLI's stock sb3 policies
-            if variant == "sb3-lstm":
-                model = build_model({**cfg, "algo": "sb3-recurrent-ppo"}, env, device)
-            elif variant == "sb3-ppo":
-                from stable_baselines3 import PPO
-
-                model = PPO("MultiInputPolicy" if kind == "dict" else "MlpPolicy", env, **common)
-            else:
-                raise SystemExit(f"{variant} needs an image observation; {args.env} has none")
-        elif variant.startswith("sb3-lstm"):
+        if variant == "sb3-lstm-impala" and kind != "image":
+            raise SystemExit(f"{variant} needs an image observation; {args.env} has none")
+        if variant == "sb3-lstm-impala" or (variant == "sb3-lstm" and kind != "image"):
+            model = build_model(cfg, env, device)  # the CLI's sb3-contrib LSTM: over the IMPALA CNN on images
+        else:  # stock: SB3's NatureCNN on images, as a user's script would have it
             from sb3_contrib import RecurrentPPO
-
-            kwargs = {}
-            if variant == "sb3-lstm-impala":
-                from rlseq.policies import ImpalaCNN
-
-                kwargs = dict(features_extractor_class=ImpalaCNN, lstm_hidden_size=256)
-            model = RecurrentPPO("CnnLstmPolicy", env, policy_kwargs=kwargs, **common)
-        else:
             from stable_baselines3 import PPO
 
-            model = PPO("CnnPolicy", env, **common)
+            lstm = variant == "sb3-lstm"
+            policy = {"image": "Cnn", "vector": "Mlp", "dict": "MultiInput"}[kind] + ("LstmPolicy" if lstm else "Policy")
+            model = (RecurrentPPO if lstm else PPO)(policy, env, **ppo_kwargs(cfg, device),
+                                                    batch_size=cfg["n_envs"] * cfg["n_steps"] // cfg["n_minibatches"])
     model.set_logger(configure(None, []))
     return model, cfg
 
