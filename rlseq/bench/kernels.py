@@ -14,7 +14,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from rlseq.bench.timing import describe_environment, graph_ms, round_robin
+from rlseq.bench.timing import describe_environment, graph_ms, round_robin, row
 from rlseq.kernels import chunk_rule, step_rule, triton_available
 
 FIELDS = ("q", "k", "v", "beta", "initial_state")
@@ -185,27 +185,26 @@ def chunk_rows(args: argparse.Namespace, device: torch.device, backends: list[st
             o_ref = oracle(inp, args.rule)
             for b in backends:
                 if dt == torch.float32 or b == "triton":
-                    rows[b] = (args.rule, dname, *rule_forward(inp, args.rule, b), o_ref)
+                    rows[b] = (args.rule, *rule_forward(inp, args.rule, b), o_ref)
             if fla:  # fla's chunk kernel in bf16, its recurrent one in fp32
                 x = bench_inputs(B, T, H, D, "deltanet", torch.float32, device)
                 x = {**{n: x[n].to(dt) for n in FIELDS[:4]}, "initial_state": x["initial_state"], "resets": x["resets"]}
                 name = "fla_recurrent" if dt == torch.float32 else "fla_chunk"
-                rows[name] = ("deltanet", dname, *fla_delta_rule(x, dt), oracle(x, "deltanet", resets=False))
-            fns = {label: fwd_and_fwd_bwd(fwd, leaves) for label, (_, _, fwd, leaves, _) in rows.items()}
+                rows[name] = ("deltanet", *fla_delta_rule(x, dt), oracle(x, "deltanet", resets=False))
+            fns = {label: fwd_and_fwd_bwd(fwd, leaves) for label, (_, fwd, leaves, _) in rows.items()}
             if cuda:
-                times = {b: (_time(f[0], device, 0), _time(f[1], device, 0), graph_ms(f[1], rows[b][3]))
+                times = {b: (_time(f[0], device, 0), _time(f[1], device, 0), graph_ms(f[1], rows[b][2]))
                          for b, f in fns.items()}
             else:  # round-robin, each timed call after an untimed one: every backend sees the same machine state
                 calls = [f[i] for f in fns.values() for i in (0, 1)]
                 ms = [1e3 * statistics.median(t) for t in round_robin(calls, args.repeats, warmup=2, before=calls)]
                 times = {b: (ms[2 * k], ms[2 * k + 1], math.nan) for k, b in enumerate(fns)}
-            for label, (rule, dlabel, fwd, _, ref) in rows.items():
+            for label, (rule, fwd, _, ref) in rows.items():
                 with torch.no_grad():
                     err = rel_err(fwd()[0], ref)
                 tf, tfb, tg = times[label]
                 graph = f"{tg:.3f}" if tg == tg else "n/a"
-                print(f"| {B} | {T} | {H} | {D} | {rule} | {dlabel} | {label} | {tf:.3f} | {tfb:.3f} | {graph} | "
-                      f"{err:.1e} |", flush=True)
+                print(row(B, T, H, D, rule, dname, label, f"{tf:.3f}", f"{tfb:.3f}", graph, f"{err:.1e}"), flush=True)
 
 
 def step_rows(args: argparse.Namespace, device: torch.device, backends: list[str]) -> None:
@@ -226,21 +225,21 @@ def step_rows(args: argparse.Namespace, device: torch.device, backends: list[str
                 s = inp["initial_state"].float()
                 err = rel_err(step_rule(*x, s, rule=args.rule, resets=r, backend=backend), o_ref)
                 us = _time(lambda: step_rule(*x, s, rule=args.rule, resets=r, backend=backend), device, 50) * 1e3
-                print(f"| {B} | {H} | {D} | {args.rule} | step_rule {backend} | {us:.1f} | {err:.1e} |", flush=True)
+                print(row(B, H, D, args.rule, f"step_rule {backend}", f"{us:.1f}", f"{err:.1e}"), flush=True)
                 if backend == "triton" and device.type == "cuda":
                     from rlseq.kernels.triton_ops import step_triton
 
                     out = torch.empty(B, H, D, device=device)
                     us = graph_ms(lambda: step_triton(*x, s, rule=args.rule, resets=r, out=out), []) * 1e3
-                    print(f"| {B} | {H} | {D} | {args.rule} | triton step kernel, CUDA graph replay | {us:.1f} | "
-                          f"{err:.1e} |", flush=True)
+                    print(row(B, H, D, args.rule, "triton step kernel, CUDA graph replay", f"{us:.1f}", f"{err:.1e}"),
+                          flush=True)
             if fla:
                 xd = bench_inputs(B, 1, H, D, "deltanet", torch.float32, device)
                 forward, _ = fla_delta_rule(xd, torch.float32)
                 with torch.no_grad():
                     err = rel_err(forward()[0], oracle(xd, "deltanet", resets=False))
                     us = _time(forward, device, 50) * 1e3
-                print(f"| {B} | {H} | {D} | deltanet | fla fused_recurrent_delta_rule, T=1 | {us:.1f} | {err:.1e} |",
+                print(row(B, H, D, "deltanet", "fla fused_recurrent_delta_rule, T=1", f"{us:.1f}", f"{err:.1e}"),
                       flush=True)
 
 
