@@ -155,7 +155,8 @@ def summarize(runs: pd.DataFrame, *, reps: int = REPS, seed: int = 0) -> pd.Data
     s = compare_summary(points, metric="eval", reps=reps, seed=seed)
     s = s.rename(columns={"env": "task", "n_seeds": "n", "iqm_ci_low": "ci_low", "iqm_ci_high": "ci_high",
                           "final_mean": "mean"})
-    return s[columns]
+    # by name, so that an exact tie of IQMs in verdicts() does not go to the memory the project lists first
+    return s[columns].sort_values(["task", "variant"], ignore_index=True)
 
 
 def _interval(row: Any) -> tuple[float, float]:
