@@ -1,1 +1,2 @@
-"""Benchmarks: ``python -m rlseq.bench {kernels,envs,train}``. Speed targets live here, never in unit tests."""
+"""Benchmarks: ``python -m rlseq.bench {kernels,gpu-check,envs,train,memory}``. Speed targets live here, never in
+unit tests."""

@@ -19,12 +19,15 @@ the env's own throughput.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import torch
+
+from rlseq.bench.timing import describe_environment, round_robin, row
 
 _LIMIT = 0.10  # wrappers must cost under 10% of the env's own step time
 
@@ -53,27 +56,13 @@ def _stacks() -> dict[str, Callable[[Any], Any]]:
     }
 
 
-class _Gym3Stepper:
-    """The raw native env through gym3's own API, for reference."""
+def _replay(venv: Any, recorded: list[tuple[Any, ...]]) -> Any:
+    """A VecEnv that returns ``recorded``, step results of ``venv``, in a loop at almost no cost (``venv`` answers
+    everything else and is never stepped)."""
+    from stable_baselines3.common.vec_env import VecEnvWrapper
 
-    def __init__(self, native: Any) -> None:
-        self.native = native
-
-    def step(self, actions: np.ndarray) -> Any:
-        self.native.act(actions.astype(np.int32))
-        return self.native.observe()
-
-
-def _make_replay(recorded: list[tuple[Any, ...]], observation_space: Any, action_space: Any) -> Any:
-    from stable_baselines3.common.vec_env.base_vec_env import VecEnv
-
-    class ReplayVecEnv(VecEnv):
-        """Returns recorded procgen step results in a loop (near-zero cost)."""
-
-        def __init__(self) -> None:
-            self.render_mode = None
-            super().__init__(recorded[0][0].shape[0], observation_space, action_space)
-            self._k = 0
+    class Replay(VecEnvWrapper):
+        k = 0
 
         def reset(self) -> np.ndarray:
             return recorded[0][0]
@@ -82,8 +71,8 @@ def _make_replay(recorded: list[tuple[Any, ...]], observation_space: Any, action
             pass
 
         def step_wait(self) -> Any:
-            obs, rew, dones, infos = recorded[self._k]
-            self._k = (self._k + 1) % len(recorded)
+            obs, rew, dones, infos = recorded[self.k]
+            self.k = (self.k + 1) % len(recorded)
             # wrappers edit the infos of done envs in place: hand out fresh copies of those
             infos = [
                 info if not info else {**info, "episode": dict(info["episode"])} if "episode" in info else dict(info)
@@ -91,58 +80,21 @@ def _make_replay(recorded: list[tuple[Any, ...]], observation_space: Any, action
             ]
             return obs, rew, dones, infos
 
-        def close(self) -> None:
-            pass
-
-        def get_attr(self, attr_name: str, indices: Any = None) -> list[Any]:
-            return [getattr(self, attr_name) for _ in self._get_indices(indices)]
-
-        def set_attr(self, attr_name: str, value: Any, indices: Any = None) -> None:
-            setattr(self, attr_name, value)
-
-        def env_method(self, method_name: str, *args: Any, indices: Any = None, **kwargs: Any) -> list[Any]:
-            return [getattr(self, method_name)(*args, **kwargs) for _ in self._get_indices(indices)]
-
-        def env_is_wrapped(self, wrapper_class: type, indices: Any = None) -> list[bool]:
-            return [False for _ in self._get_indices(indices)]
-
-    return ReplayVecEnv()
+    return Replay(venv)
 
 
-def _time_steps(stepper: Any, actions: np.ndarray, start: int, steps: int, warmup: int) -> float:
-    """Seconds per vector step of ``stepper.step`` over ``steps`` steps after ``warmup``."""
-    pool = len(actions)
-    for k in range(warmup):
-        stepper.step(actions[(start + k) % pool])
-    t0 = time.perf_counter()
-    for k in range(steps):
-        stepper.step(actions[(start + warmup + k) % pool])
-    return (time.perf_counter() - t0) / steps
+def _per_step(steppers: dict[str, Callable[[np.ndarray], Any]], actions: np.ndarray, steps: int, warmup: int,
+              repeats: int) -> dict[str, float]:
+    """Median seconds per vector step of each stepper: ``repeats`` round-robin rounds of ``steps`` timed steps,
+    each after ``warmup`` untimed ones, the actions drawn in turn from ``actions``."""
+    pool = itertools.cycle(actions)
 
+    def run(step: Callable[[np.ndarray], Any], n: int) -> Callable[[], None]:
+        return lambda: [step(next(pool)) for _ in range(n)]
 
-def _interleaved_medians(
-    steppers: dict[str, Any], actions: np.ndarray, steps: int, warmup: int, repeats: int
-) -> dict[str, float]:
-    samples: dict[str, list[float]] = {name: [] for name in steppers}
-    for rep in range(repeats):
-        order = list(steppers) if rep % 2 == 0 else list(reversed(steppers))  # cancel order effects
-        for name in order:
-            samples[name].append(_time_steps(steppers[name], actions, rep * (steps + warmup), steps, warmup))
-    return {name: statistics.median(s) for name, s in samples.items()}
-
-
-def _describe() -> str:
-    try:
-        import torch
-
-        from rlseq.bench.timing import describe_environment
-
-        return describe_environment(torch.device("cpu"))
-    except Exception:  # noqa: BLE001 - the header line is informational only
-        import os
-        import platform
-
-        return f"CPU, {os.cpu_count()} cores; python {platform.python_version()}"
+    times = round_robin([run(s, steps) for s in steppers.values()], repeats,
+                        before=[run(s, warmup) for s in steppers.values()])
+    return {name: statistics.median(t) / steps for name, t in zip(steppers, times)}
 
 
 def main(args: argparse.Namespace) -> None:
@@ -169,54 +121,37 @@ def main(args: argparse.Namespace) -> None:
     # env, which does not matter for timing.
     shared = build()
     shared.reset()
-    steppers: dict[str, Any] = {"gym3 ProcgenGym3Env (raw)": _Gym3Stepper(shared._env), "ProcgenVecEnv": shared}
-    steppers.update({name: wrap(shared) for name, wrap in stacks.items()})
-    per_step = _interleaved_medians(steppers, actions, steps, warmup, repeats)
+    native = shared._env
+    steppers = {"gym3 ProcgenGym3Env (raw)": lambda a: (native.act(a.astype(np.int32)), native.observe()),
+                "ProcgenVecEnv": shared.step, **{name: wrap(shared).step for name, wrap in stacks.items()}}
+    per_step = _per_step(steppers, actions, steps, warmup, repeats)
 
     # --- 2. isolated wrapper cost ---------------------------------------------
     recorder = build()
     recorder.reset()
     recorded = [recorder.step(actions[k % len(actions)]) for k in range(max(steps, 256))]
     n_done = sum(int(r[2].sum()) for r in recorded)
-    replays = {"replay": _make_replay(recorded, recorder.observation_space, recorder.action_space)}
-    replays.update(
-        {name: wrap(_make_replay(recorded, recorder.observation_space, recorder.action_space)) for name, wrap in stacks.items()}
-    )
+    replays = {"replay": _replay(recorder, recorded),
+               **{name: wrap(_replay(recorder, recorded)) for name, wrap in stacks.items()}}
     for env in replays.values():
         env.reset()
-    replay_per_step = _interleaved_medians(replays, actions, len(recorded), warmup, repeats)
+    replay_per_step = _per_step({k: v.step for k, v in replays.items()}, actions, len(recorded), warmup, repeats)
 
     base = per_step["ProcgenVecEnv"]
     print(f"# procgen {args.env} ({args.distribution_mode}), {n} envs, num_threads={args.num_threads or 'default(4)'}")
-    print(f"# {_describe()}")
-    print(f"# {steps} vector steps x {repeats} interleaved repeats (median), {warmup} warm-up steps, random actions")
-    print()
-    print(f"{'configuration':<30} {'env-steps/s':>12} {'ms/vec-step':>12} {'vs ProcgenVecEnv':>17}")
+    print(f"# {describe_environment(torch.device('cpu'))}")
+    print(f"# {steps} vector steps x {repeats} round-robin repeats (median), {warmup} warm-up steps, random actions")
+    print("\n| configuration | env-steps/s | ms/vec-step | vs ProcgenVecEnv |\n|---|---:|---:|---:|")
     for name, sec in per_step.items():
-        rel = f"{(sec / base - 1) * 100:+.1f}%"
-        print(f"{name:<30} {n / sec:>12,.0f} {sec * 1e3:>12.3f} {rel:>17}")
-    print()
-    print(
-        f"isolated wrapper cost over a replay VecEnv ({len(recorded)} recorded steps, {n_done} episode ends), "
-        f"as a share of ProcgenVecEnv's {base * 1e3:.3f} ms/vec-step:"
-    )
-    print(f"{'wrappers':<30} {'us/vec-step':>12} {'overhead':>12}")
-    worst = 0.0
+        print(row(name, f"{n / sec:,.0f}", f"{sec * 1e3:.3f}", f"{(sec / base - 1) * 100:+.1f}%"))
+    print(f"\nisolated wrapper cost over a replay VecEnv ({len(recorded)} recorded steps, {n_done} episode ends), "
+          f"as a share of ProcgenVecEnv's {base * 1e3:.3f} ms/vec-step:\n")
+    print("| wrappers | us/vec-step | overhead |\n|---|---:|---:|")
     for name in stacks:
         extra = max(replay_per_step[name] - replay_per_step["replay"], 0.0)
-        share = extra / base
-        if name == "+ all three":
-            worst = share
-        print(f"{name:<30} {extra * 1e6:>12.1f} {share * 100:>11.2f}%")
-    verdict = "PASS" if worst < _LIMIT else "FAIL"
-    print()
-    print(f"{verdict}: all three wrappers cost {worst * 100:.2f}% of the env's step time (limit {_LIMIT * 100:.0f}%)")
-
+        print(row(name, f"{extra * 1e6:.1f}", f"{extra / base * 100:.2f}%"))
+    worst = max(replay_per_step["+ all three"] - replay_per_step["replay"], 0.0) / base
+    print(f"\n{'PASS' if worst < _LIMIT else 'FAIL'}: all three wrappers cost {worst * 100:.2f}% of the env's step time "
+          f"(limit {_LIMIT * 100:.0f}%)")
     shared.close()
     recorder.close()
-
-
-if __name__ == "__main__":
-    _parser = argparse.ArgumentParser(prog="python -m rlseq.bench.envs", description=__doc__)
-    add_arguments(_parser)
-    main(_parser.parse_args())

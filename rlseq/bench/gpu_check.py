@@ -13,8 +13,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import sys
 import time
 
 import torch
@@ -67,7 +65,7 @@ def check_step(rule, K, V, device, B=33, H=4, T=20) -> float:
     return worst
 
 
-def correctness(device, dims, log) -> int:
+def correctness(device, dims) -> int:
     """Every check, one line each; returns the number of failures."""
     t0, failures = time.time(), 0
     jobs = [(rule, D, dt, B, T, (1e-4, 1e4)) for rule in ("efla", "deltanet") for D in dims
@@ -80,13 +78,13 @@ def correctness(device, dims, log) -> int:
         failures += not ok
         print(f"[{time.time() - t0:4.0f}s] chunk {rule:8s} {str(dt)[6:]:8s} B{B} T{T} H4 D{D} norms<={norms[1]:.0e} "
               f"max {worst:.1e} {'OK' if ok else 'FAIL'}  " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()),
-              file=log, flush=True)
+              flush=True)
     for rule in ("efla", "deltanet"):
         for K, V in ((D, D) for D in dims):
             worst = check_step(rule, K, V, device)
             failures += worst > 1e-4
             print(f"[{time.time() - t0:4.0f}s] step  {rule:8s} K{K} V{V} max {worst:.1e} "
-                  f"{'OK' if worst <= 1e-4 else 'FAIL'}", file=log, flush=True)
+                  f"{'OK' if worst <= 1e-4 else 'FAIL'}", flush=True)
     return failures
 
 
@@ -127,7 +125,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--breakdown", action="store_true", help="then the device time per kernel")
     parser.add_argument("--shapes", nargs="+", default=TIME_SHAPES, metavar="B,T,H,D",
                         help="--time/--breakdown shapes")
-    parser.add_argument("--log", default=None, help="write the check lines to this file instead of stdout")
 
 
 def main(args: argparse.Namespace) -> None:
@@ -138,15 +135,13 @@ def main(args: argparse.Namespace) -> None:
     device = torch.device("cuda")
     print(f"device {torch.cuda.get_device_name()} torch {torch.__version__} triton {triton.__version__}", flush=True)
     if not args.no_check:
-        with open(args.log, "w") if args.log else contextlib.nullcontext(sys.stdout) as log:
-            failures = correctness(device, args.dims, log)
+        failures = correctness(device, args.dims)
         print(f"correctness: {'all OK' if not failures else f'{failures} FAILED'}", flush=True)
     if args.time:
-        targs = argparse.Namespace(rule="efla", shapes=args.shapes, dtypes=["float32", "bfloat16"], fla=True,
-                                   sequential=False, step=True, step_batch=[64, 256], step_dim=[32, 64], heads=4,
-                                   batch=None, head_dim=None, steps=None)
-        bench.chunk_rows(targs, device, ["triton"], repeats=20)
-        bench.step_rows(targs, device, ["triton"])
+        kernels = argparse.ArgumentParser()
+        bench.add_arguments(kernels)
+        bench.main(kernels.parse_args(["--shapes", *args.shapes, "--dtypes", "float32", "bfloat16", "--backends",
+                                       "triton", "--fla", "--step", "--device", "cuda"]))
     if args.breakdown:
         breakdown(device, args.shapes)
 

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import statistics
 
 import torch
 import torch.nn.functional as F
 
-from rlseq.bench.timing import describe_environment, graph_ms, interleaved_median_ms, median_ms
+from rlseq.bench.timing import describe_environment, graph_ms, round_robin, row
 from rlseq.kernels import chunk_rule, step_rule, triton_available
 
 FIELDS = ("q", "k", "v", "beta", "initial_state")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+STEP_BATCH, STEP_DIM = (64, 256), (32, 64)  # the acting step's rows (--step)
 
 
 def random_inputs(
@@ -132,13 +134,13 @@ def fwd_and_fwd_bwd(forward, leaves: list[torch.Tensor]):
 
 
 def _time(fn, device: torch.device, repeats: int) -> float:
-    """Median ms: ``triton.testing.do_bench`` (CUDA events after warm-up) on the GPU, else :func:`median_ms`."""
+    """Median ms: ``triton.testing.do_bench`` (CUDA events after warm-up) on the GPU, else of ``repeats`` calls."""
     if device.type == "cuda":
         import triton.testing
 
         fn()
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    return median_ms(fn, device, warmup=2, repeats=repeats)
+    return 1e3 * statistics.median(round_robin([fn], repeats, warmup=2)[0])
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -153,16 +155,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="input dtypes (bf16 rows: the triton backend only)")
     parser.add_argument("--backends", nargs="+", default=None, help="default: every backend available on the device")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--repeats", type=int, default=None, help="CPU: timed repeats (default 5)")
-    parser.add_argument("--sequential", action="store_true",
-                        help="CPU: time each backend alone, one after the other, instead of round-robin")
+    parser.add_argument("--repeats", type=int, default=5, help="CPU: timed round-robin rounds (default 5)")
     parser.add_argument("--fla", action="store_true",
                         help="add flash-linear-attention rows when importable (GPU): chunk_delta_rule (bf16) and "
                              "fused_recurrent_delta_rule (fp32), DeltaNet on unit keys, no resets (fla has none)")
-    parser.add_argument("--step", action="store_true", help="add step_rule rows (acting) at --step-batch x --step-dim")
-    parser.add_argument("--step-batch", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--step-dim", type=int, nargs="+", default=[32, 64])
-    parser.add_argument("--skip-chunk", action="store_true", help="only the step rows")
+    parser.add_argument("--step", action="store_true",
+                        help=f"add step_rule rows (acting) at B in {STEP_BATCH} x D in {STEP_DIM}")
 
 
 def bench_inputs(B: int, T: int, H: int, D: int, rule: str, dtype: torch.dtype, device) -> dict[str, torch.Tensor]:
@@ -171,7 +169,7 @@ def bench_inputs(B: int, T: int, H: int, D: int, rule: str, dtype: torch.dtype, 
                          beta_max=1.0, generator=torch.Generator().manual_seed(0), device=device)
 
 
-def chunk_rows(args: argparse.Namespace, device: torch.device, backends: list[str], repeats: int) -> None:
+def chunk_rows(args: argparse.Namespace, device: torch.device, backends: list[str]) -> None:
     shapes = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes] if args.shapes else \
         [(B, args.steps, args.heads, D) for B in args.batch for D in args.head_dim]
     fla = args.fla and device.type == "cuda" and fla_available()
@@ -187,27 +185,26 @@ def chunk_rows(args: argparse.Namespace, device: torch.device, backends: list[st
             o_ref = oracle(inp, args.rule)
             for b in backends:
                 if dt == torch.float32 or b == "triton":
-                    rows[b] = (args.rule, dname, *rule_forward(inp, args.rule, b), o_ref)
+                    rows[b] = (args.rule, *rule_forward(inp, args.rule, b), o_ref)
             if fla:  # fla's chunk kernel in bf16, its recurrent one in fp32
                 x = bench_inputs(B, T, H, D, "deltanet", torch.float32, device)
                 x = {**{n: x[n].to(dt) for n in FIELDS[:4]}, "initial_state": x["initial_state"], "resets": x["resets"]}
                 name = "fla_recurrent" if dt == torch.float32 else "fla_chunk"
-                rows[name] = ("deltanet", dname, *fla_delta_rule(x, dt), oracle(x, "deltanet", resets=False))
-            fns = {label: fwd_and_fwd_bwd(fwd, leaves) for label, (_, _, fwd, leaves, _) in rows.items()}
-            if not cuda and not args.sequential:  # round-robin: every backend sees the same machine state
-                ms = interleaved_median_ms({(b, i): f[i] for b, f in fns.items() for i in (0, 1)}, device,
-                                           warmup={(b, i): 2 for b in fns for i in (0, 1)}, repeats=repeats)
-                times = {b: (ms[(b, 0)], ms[(b, 1)], math.nan) for b in fns}
-            else:
-                times = {b: (_time(f[0], device, repeats), _time(f[1], device, repeats),
-                             graph_ms(f[1], rows[b][3]) if cuda else math.nan) for b, f in fns.items()}
-            for label, (rule, dlabel, fwd, _, ref) in rows.items():
+                rows[name] = ("deltanet", *fla_delta_rule(x, dt), oracle(x, "deltanet", resets=False))
+            fns = {label: fwd_and_fwd_bwd(fwd, leaves) for label, (_, fwd, leaves, _) in rows.items()}
+            if cuda:
+                times = {b: (_time(f[0], device, 0), _time(f[1], device, 0), graph_ms(f[1], rows[b][2]))
+                         for b, f in fns.items()}
+            else:  # round-robin, each timed call after an untimed one: every backend sees the same machine state
+                calls = [f[i] for f in fns.values() for i in (0, 1)]
+                ms = [1e3 * statistics.median(t) for t in round_robin(calls, args.repeats, warmup=2, before=calls)]
+                times = {b: (ms[2 * k], ms[2 * k + 1], math.nan) for k, b in enumerate(fns)}
+            for label, (rule, fwd, _, ref) in rows.items():
                 with torch.no_grad():
                     err = rel_err(fwd()[0], ref)
                 tf, tfb, tg = times[label]
                 graph = f"{tg:.3f}" if tg == tg else "n/a"
-                print(f"| {B} | {T} | {H} | {D} | {rule} | {dlabel} | {label} | {tf:.3f} | {tfb:.3f} | {graph} | "
-                      f"{err:.1e} |", flush=True)
+                print(row(B, T, H, D, rule, dname, label, f"{tf:.3f}", f"{tfb:.3f}", graph, f"{err:.1e}"), flush=True)
 
 
 def step_rows(args: argparse.Namespace, device: torch.device, backends: list[str]) -> None:
@@ -217,8 +214,8 @@ def step_rows(args: argparse.Namespace, device: torch.device, backends: list[str
     print("\n| B | H | D | rule | what | µs per step | rel. err of o vs fp64 oracle |")
     print("|---|---|---|---|---|---|---|")
     H = args.heads
-    for B in args.step_batch:
-        for D in args.step_dim:
+    for B in STEP_BATCH:
+        for D in STEP_DIM:
             inp = bench_inputs(B, 1, H, D, args.rule, torch.float32, device)
             x = [inp[n][:, 0] for n in FIELDS[:4]]
             r = inp["resets"][:, 0]
@@ -228,35 +225,32 @@ def step_rows(args: argparse.Namespace, device: torch.device, backends: list[str
                 s = inp["initial_state"].float()
                 err = rel_err(step_rule(*x, s, rule=args.rule, resets=r, backend=backend), o_ref)
                 us = _time(lambda: step_rule(*x, s, rule=args.rule, resets=r, backend=backend), device, 50) * 1e3
-                print(f"| {B} | {H} | {D} | {args.rule} | step_rule {backend} | {us:.1f} | {err:.1e} |", flush=True)
+                print(row(B, H, D, args.rule, f"step_rule {backend}", f"{us:.1f}", f"{err:.1e}"), flush=True)
                 if backend == "triton" and device.type == "cuda":
                     from rlseq.kernels.triton_ops import step_triton
 
                     out = torch.empty(B, H, D, device=device)
                     us = graph_ms(lambda: step_triton(*x, s, rule=args.rule, resets=r, out=out), []) * 1e3
-                    print(f"| {B} | {H} | {D} | {args.rule} | triton step kernel, CUDA graph replay | {us:.1f} | "
-                          f"{err:.1e} |", flush=True)
+                    print(row(B, H, D, args.rule, "triton step kernel, CUDA graph replay", f"{us:.1f}", f"{err:.1e}"),
+                          flush=True)
             if fla:
                 xd = bench_inputs(B, 1, H, D, "deltanet", torch.float32, device)
                 forward, _ = fla_delta_rule(xd, torch.float32)
                 with torch.no_grad():
                     err = rel_err(forward()[0], oracle(xd, "deltanet", resets=False))
                     us = _time(forward, device, 50) * 1e3
-                print(f"| {B} | {H} | {D} | deltanet | fla fused_recurrent_delta_rule, T=1 | {us:.1f} | {err:.1e} |",
+                print(row(B, H, D, "deltanet", "fla fused_recurrent_delta_rule, T=1", f"{us:.1f}", f"{err:.1e}"),
                       flush=True)
 
 
 def main(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     backends = args.backends or [b for b in ("reference", "torch", "triton") if b != "triton" or triton_available(device)]
-    repeats = args.repeats or 5
     print(describe_environment(device))
     how = ("triton.testing.do_bench medians after warm-up; the CUDA graph column replays the fwd+bwd from a graph"
            if device.type == "cuda" else
-           f"median of {repeats} " + ("after warm-up" if args.sequential else
-                                       "round-robin rounds over the rows, each timed call preceded by an untimed one"))
+           f"median of {args.repeats} round-robin rounds over the rows, each timed call preceded by an untimed one")
     print(f"rule {args.rule}, key norms 1e-2..1e2, resets ~2% of steps; {how}\n")
-    if not args.skip_chunk:
-        chunk_rows(args, device, backends, repeats)
+    chunk_rows(args, device, backends)
     if args.step:
         step_rows(args, device, backends)

@@ -25,7 +25,6 @@ The report ``<out>.md`` (with ``<out>/curves.png``) is rewritten at the end of e
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import shlex
@@ -37,9 +36,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlseq.sweep import log_tail
-from rlseq.bench.memory_report import (CURVES_PNG, MANIFEST, random_path, read_manifest, report_path, returns_table,
-                                       run_paths, short_task, write_report)
+from rlseq.bench.memory_report import (CURVES_PNG, MANIFEST, random_path, read_manifest, returns_table, run_paths,
+                                       short_task, write_report)
+from rlseq.bench.timing import cpu_model
+from rlseq.sweep import _stop_with_parent, _train_once, log_tail
 
 TASKS = ("popgym-RepeatPreviousEasy-v0", "popgym-RepeatFirstEasy-v0", "popgym-CountRecallEasy-v0",
          "popgym-AutoencodeEasy-v0", "popgym-PositionOnlyCartPoleEasy-v0", "popgym-VelocityOnlyCartpoleEasy-v0",
@@ -139,18 +139,6 @@ def budget_conflicts(runs: list[BenchRun], out: Path, logdir: Path) -> list[str]
 
 
 # ------------------------------------------------------------------------------------------------ environment
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
-
-
 def versions() -> dict[str, str]:
     """Python, the libraries a result depends on, and rlseq's git commit (``+dirty``: rlseq/ or configs/ had
     uncommitted changes)."""
@@ -218,70 +206,43 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- worker
-_child: subprocess.Popen | None = None
-_stopping = False
-
-
-def _on_term(signum: int, _frame: Any) -> None:
-    global _stopping
-    _stopping = True
-    if _child is not None:
-        _child.send_signal(signal.SIGINT)  # the trainer stops as on Ctrl-C and keeps its last checkpoint
-
-
 def _init_worker(parent: int) -> None:
-    # the main process decides when to stop (a terminal's Ctrl-C reaches the trainers directly)
+    # the main process decides when to stop (a terminal's Ctrl-C reaches the trainers directly); its SIGTERM
+    # interrupts the worker, whose rlseq.sweep._train_once passes it on to the trainer
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _on_term)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     if sys.platform == "linux":
-        from rlseq.sweep import _stop_with_parent
-
-        _stop_with_parent(parent)
-
-
-def _trainer_setup(parent: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # the worker ignores SIGINT, and an ignored signal is inherited
-    if sys.platform == "linux":
-        from rlseq.sweep import _stop_with_parent
-
         _stop_with_parent(parent)
 
 
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train (unless finished), evaluate and write one run's result; returns ``{"name", "state", ...}`` with
     state ``done``, ``failed`` (with ``reason`` and ``log_tail``) or ``stopped``. Runs in a worker process."""
-    global _child
     folder, paths = Path(spec["folder"]), {k: Path(v) for k, v in spec["paths"].items()}
-    log = folder / "train.log"
     resumed = folder.exists()
     train_wall = None
-    if not (folder / "final_model.zip").exists():
-        folder.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "rlseq.train", *spec["argv"]]
-        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-        if spec["device"] == "cpu":
-            env["CUDA_VISIBLE_DEVICES"] = ""
-        t0 = time.time()
-        with open(log, "a") as f:
-            f.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {shlex.join(argv)}\n")
-            f.flush()
-            _child = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
-                                      preexec_fn=functools.partial(_trainer_setup, os.getpid()))
-        rc = _child.wait()
-        _child = None
-        train_wall = time.time() - t0
-        if rc != 0:
-            if _stopping or rc in (-signal.SIGINT, -signal.SIGTERM, 128 + signal.SIGINT, 128 + signal.SIGTERM):
-                return {"name": spec["name"], "state": "stopped"}
-            return _failed(spec, paths, f"training exited with code {rc}", log_tail(log, 20))
     try:
-        return _evaluate(spec, folder, paths, train_wall=train_wall, resumed=resumed)
-    except Exception as e:  # noqa: BLE001  (any error of one run is that run's result, not the benchmark's)
-        import traceback
+        if not (folder / "final_model.zip").exists():
+            env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+            if spec["device"] == "cpu":
+                env["CUDA_VISIBLE_DEVICES"] = ""
+            t0 = time.time()
+            rc, stopped = _train_once([sys.executable, "-m", "rlseq.train", *spec["argv"]], env, None, folder)
+            train_wall = time.time() - t0
+            if stopped or rc in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # the trainer's exit when stopped
+                return {"name": spec["name"], "state": "stopped"}
+            if rc != 0:
+                return _failed(spec, paths, f"training exited with code {rc}", log_tail(folder / "train.log", 20))
+        try:
+            return _evaluate(spec, folder, paths, train_wall=train_wall, resumed=resumed)
+        except Exception as e:  # noqa: BLE001  (any error of one run is that run's result, not the benchmark's)
+            import traceback
 
-        return _failed(spec, paths, f"evaluation failed: {type(e).__name__}: {e}",
-                       traceback.format_exc().splitlines()[-20:])
+            return _failed(spec, paths, f"evaluation failed: {type(e).__name__}: {e}",
+                           traceback.format_exc().splitlines()[-20:])
+    except KeyboardInterrupt:  # stopped between two steps: what is written stays, the next invocation goes on
+        return {"name": spec["name"], "state": "stopped"}
 
 
 def _failed(spec: dict[str, Any], paths: dict[str, Path], reason: str, tail: list[str]) -> dict[str, Any]:
@@ -494,17 +455,16 @@ def command(args: argparse.Namespace, g: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _record_invocation(out: Path, entry: dict[str, Any]) -> int:
+def _record_invocation(out: Path, entry: dict[str, Any], index: int | None = None) -> int:
+    """Append ``entry`` to ``out``'s manifest, or update invocation ``index`` with it; returns its index."""
     manifest = read_manifest(out)
-    manifest["invocations"].append(entry)
+    invocations = manifest["invocations"]
+    if index is None:
+        invocations.append(entry)
+    else:
+        invocations[index].update(entry)
     _write_json(out / MANIFEST, manifest)
-    return len(manifest["invocations"]) - 1
-
-
-def _finish_invocation(out: Path, index: int, **fields: Any) -> None:
-    manifest = read_manifest(out)
-    manifest["invocations"][index].update(fields)
-    _write_json(out / MANIFEST, manifest)
+    return len(invocations) - 1 if index is None else index
 
 
 def main(args: argparse.Namespace) -> None:
@@ -550,7 +510,7 @@ def main(args: argparse.Namespace) -> None:
             answers = execute(runs, out, logdir, jobs=g["jobs"], episodes=g["episodes"], device=args.device,
                               extra=g["extra"])
         finally:
-            _finish_invocation(out, index, wall_s=time.time() - t0)
+            _record_invocation(out, {"wall_s": time.time() - t0}, index)
     try:
         report = write_report(out)
     except FileNotFoundError:

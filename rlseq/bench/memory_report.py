@@ -12,8 +12,8 @@ Layout of an output folder OUT (written by :mod:`rlseq.bench.memory`; small enou
     OUT.md                                             the report (docs/memory_benchmark -> docs/memory_benchmark.md)
 
 Statistics: per task and variant the IQM of the seeds' final evaluation returns with a 95% percentile
-stratified-bootstrap CI (rliable, through :func:`rlseq.compare._bootstrap_ci`); env-steps/s as the median
-over runs.
+stratified-bootstrap CI (rliable, through :func:`rlseq.compare.summarize`); env-steps/s as the median over
+runs.
 """
 
 from __future__ import annotations
@@ -67,22 +67,20 @@ def read_manifest(out: str | Path) -> dict[str, Any]:
 
 
 def grid_of(manifest: dict[str, Any]) -> dict[str, Any]:
-    """The union of the invocations' grids: ``{"tasks": [...], "variants": [...], "seeds": [...], "steps":
-    {task: steps}}`` in first-seen order (a later invocation's budget for a task wins)."""
+    """The union of the invocations' grids: ``{"tasks": [...], "variants": [...], "steps": {task: steps}, "cells":
+    {(task, variant, seed)}}``, tasks and variants in first-seen order (a later invocation's budget for a task
+    wins)."""
     tasks: dict[str, None] = {}
     variants: dict[str, None] = {}
-    seeds: dict[int, None] = {}
     steps: dict[str, int] = {}
     cells: set[tuple[str, str, int]] = set()
     for inv in manifest.get("invocations", []):
         g = inv["grid"]
         tasks.update(dict.fromkeys(g["tasks"]))
         variants.update(dict.fromkeys(g["variants"]))
-        seeds.update(dict.fromkeys(int(s) for s in g["seeds"]))
         steps.update(g["steps"])
         cells.update((t, v, int(s)) for t in g["tasks"] for v in g["variants"] for s in g["seeds"])
-    return {"tasks": list(tasks), "variants": list(variants), "seeds": list(seeds), "steps": steps,
-            "cells": cells}
+    return {"tasks": list(tasks), "variants": list(variants), "steps": steps, "cells": cells}
 
 
 @dataclass
@@ -93,7 +91,7 @@ class Results:
     env_steps_per_s, train_wall_s, eval_wall_s). ``curves``: columns task, variant, seed, step, value
     (``rollout/ep_rew_mean``). ``failures``: the failure records of runs without a result. ``random``: task ->
     mean return of random actions. ``missing``: names of grid runs with neither a result nor a failure.
-    ``records``: the result JSONs themselves (configs and versions).
+    ``records``: the result JSONs themselves (configs and versions). ``grid``: :func:`grid_of` the manifest.
     """
 
     runs: pd.DataFrame
@@ -103,6 +101,7 @@ class Results:
     missing: list[str] = field(default_factory=list)
     records: list[dict[str, Any]] = field(default_factory=list)
     manifest: dict[str, Any] = field(default_factory=dict)
+    grid: dict[str, Any] = field(default_factory=dict)
 
 
 RUN_COLUMNS = ["task", "variant", "seed", "steps", "eval_mean", "eval_std", "episodes", "env_steps_per_s",
@@ -133,38 +132,31 @@ def load_results(out: str | Path) -> Results:
                                                 "value": c["ep_rew_mean"]}))
     runs = pd.DataFrame([{k: r.get(k, math.nan) for k in RUN_COLUMNS} for r in records], columns=RUN_COLUMNS)
     runs["seed"] = runs["seed"].astype("int64")
-    cells = grid_of(manifest)["cells"]
+    grid = grid_of(manifest)
     have = {(r["task"], r["variant"], int(r["seed"])) for r in records + failures}
-    missing = [f"{t}/{v}/seed{s}" for t, v, s in sorted(cells - have)]
+    missing = [f"{t}/{v}/seed{s}" for t, v, s in sorted(grid["cells"] - have)]
     curves_df = (pd.concat(curves, ignore_index=True) if curves
                  else pd.DataFrame(columns=["task", "variant", "seed", "step", "value"]))
-    return Results(runs, curves_df, failures, random, missing, records, manifest)
+    return Results(runs, curves_df, failures, random, missing, records, manifest, grid)
 
 
 # ------------------------------------------------------------------------------------------------ statistics
 def summarize(runs: pd.DataFrame, *, reps: int = REPS, seed: int = 0) -> pd.DataFrame:
-    """One row per (task, variant): ``n`` seeds, ``iqm`` of their final evaluation returns
-    (``rliable.metrics.aggregate_iqm``: 25% trimmed mean, which equals the mean below 4 seeds), ``ci_low`` /
-    ``ci_high`` (95% percentile stratified-bootstrap CI, ``reps`` resamples, seeded; NaN with one seed) and
-    ``mean``."""
-    from rlseq.compare import _bootstrap_ci, _rliable
+    """One row per (task, variant): ``n`` seeds, ``iqm`` of their final evaluation returns with its 95% CI
+    (``ci_low`` / ``ci_high``, NaN with one seed) and ``mean``: :func:`rlseq.compare.summarize` of one point per
+    seed, the run's evaluation return."""
+    from rlseq.compare import summarize as compare_summary
 
-    _, metrics = _rliable()
-
-    def iqm(scores: np.ndarray) -> np.ndarray:
-        return np.array([metrics.aggregate_iqm(scores)])
-
-    rows = []
-    for (task, variant), g in runs.groupby(["task", "variant"], sort=False):
-        x = g.sort_values("seed")["eval_mean"].to_numpy(np.float64)
-        scores = x.reshape(len(x), 1)  # rliable's (runs, tasks): one task, its seeds stratified together
-        lo = hi = math.nan
-        if len(x) > 1:
-            lo_a, hi_a = _bootstrap_ci(scores, iqm, reps=reps, seed=seed)
-            lo, hi = float(lo_a[0]), float(hi_a[0])
-        rows.append({"task": task, "variant": variant, "n": len(x), "iqm": float(iqm(scores)[0]),
-                     "ci_low": lo, "ci_high": hi, "mean": float(x.mean())})
-    return pd.DataFrame(rows, columns=["task", "variant", "n", "iqm", "ci_low", "ci_high", "mean"])
+    columns = ["task", "variant", "n", "iqm", "ci_low", "ci_high", "mean"]
+    if runs.empty:
+        return pd.DataFrame(columns=columns)
+    points = pd.DataFrame({"env": runs["task"], "variant": runs["variant"], "seed": runs["seed"],
+                           "step": 0, "tag": "eval", "value": runs["eval_mean"].astype(np.float64)})
+    s = compare_summary(points, metric="eval", reps=reps, seed=seed)
+    s = s.rename(columns={"env": "task", "n_seeds": "n", "iqm_ci_low": "ci_low", "iqm_ci_high": "ci_high",
+                          "final_mean": "mean"})
+    # by name, so that an exact tie of IQMs in verdicts() does not go to the memory the project lists first
+    return s[columns].sort_values(["task", "variant"], ignore_index=True)
 
 
 def _interval(row: Any) -> tuple[float, float]:
@@ -233,15 +225,14 @@ def _ordered(names: list[str], preferred: list[str]) -> list[str]:
 def render(res: Results, out: str | Path, *, png: Path | None, reps: int = REPS) -> str:
     """The report's markdown (links relative to the report's folder)."""
     out = Path(out)
-    grid = grid_of(res.manifest)
-    summary, tasks, variants = _layout(res, grid, reps)
+    summary, tasks, variants = _layout(res, reps)
     regenerate = f"python -m rlseq.bench memory --report-only --out {out.as_posix()}"
     lines = ["# Memory benchmark on POPGym", "",
              "Does each memory remember? Every variant trains with PPO on the same POPGym tasks, seeds and env-step "
              "budget, then plays new episodes with its final weights. Written by "
              f"`{regenerate}` from the per-run results in `{out.as_posix()}/{RESULTS}/`; do not edit by hand.", ""]
-    lines += _provenance(res, grid)
-    lines += _budget(res, grid, tasks)
+    lines += _provenance(res)
+    lines += _budget(res, tasks)
     lines += _returns_table(res, summary, tasks, variants, reps)
     lines += _verdict_lines(summary, tasks, variants)
     lines += _speed_table(res.runs, tasks, variants)
@@ -257,25 +248,25 @@ def render(res: Results, out: str | Path, *, png: Path | None, reps: int = REPS)
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _layout(res: Results, grid: dict[str, Any], reps: int) -> tuple[pd.DataFrame, list[str], list[str]]:
+def _layout(res: Results, reps: int) -> tuple[pd.DataFrame, list[str], list[str]]:
     """The per-(task, variant) summary, and the tasks and variants in report order (the benchmark's, then others)."""
     from rlseq.bench.memory import TASKS, variants as known_variants
 
     summary = summarize(res.runs, reps=reps)
-    tasks = _ordered(list(summary["task"].unique()) + [f["task"] for f in res.failures], [*TASKS, *grid["tasks"]])
+    tasks = _ordered(list(summary["task"].unique()) + [f["task"] for f in res.failures], [*TASKS, *res.grid["tasks"]])
     variants = _ordered(list(summary["variant"].unique()) + [f["variant"] for f in res.failures],
-                        [*known_variants(), *grid["variants"]])
+                        [*known_variants(), *res.grid["variants"]])
     return summary, tasks, variants
 
 
 def returns_table(out: str | Path, *, reps: int = REPS) -> str:
     """The report's final-return table (markdown) for the terminal."""
     res = load_results(Path(out))
-    summary, tasks, variants = _layout(res, grid_of(res.manifest), reps)
+    summary, tasks, variants = _layout(res, reps)
     return "\n".join(_returns_rows(res, summary, tasks, variants))
 
 
-def _provenance(res: Results, grid: dict[str, Any]) -> list[str]:
+def _provenance(res: Results) -> list[str]:
     invocations = res.manifest.get("invocations", [])
     lines = ["## How it was made", ""]
     if invocations:
@@ -295,8 +286,8 @@ def _provenance(res: Results, grid: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _budget(res: Results, grid: dict[str, Any], tasks: list[str]) -> list[str]:
-    steps = dict(grid["steps"])
+def _budget(res: Results, tasks: list[str]) -> list[str]:
+    steps = dict(res.grid["steps"])
     for r in res.records:
         steps.setdefault(r["task"], int(r["steps"]))
     configs = sorted({json.dumps(r.get("config", {})) for r in res.records})

@@ -1,66 +1,54 @@
-"""Timing helpers: warm-up, then the median of many repeats; CUDA events on the GPU."""
+"""What the speed benches share: round-robin timing, the CUDA-graph replay time, the line naming the machine and
+the markdown table rows."""
 
 from __future__ import annotations
 
-import statistics
+import os
+import platform
 import time
-from typing import Callable
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, repeats: int = 20) -> float:
-    """Median wall time of ``fn()`` in milliseconds, after ``warmup`` calls."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(repeats):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def round_robin(fns: Sequence[Callable[[], object]], rounds: int, *, warmup: int = 0,
+                before: Sequence[Callable[[], object]] | None = None) -> list[list[float]]:
+    """Seconds of every timed call of each of ``fns``: ``warmup`` untimed calls each, then ``rounds`` rounds that
+    call every function once, the round's first function rotating.
 
-
-def interleaved_median_ms(
-    fns: dict[str, Callable[[], object]], device: torch.device, *, warmup: dict[str, int], repeats: int
-) -> dict[str, float]:
-    """Median wall time in ms of each of ``fns``, timed round-robin: after ``warmup[name]`` calls each, every round
-    runs each function once untimed and then once timed.
-
-    Round-robin puts every function through the same machine state (a shared VM's speed drifts by up to 2x
-    within minutes), and the untimed call re-warms a function's own allocations and worker threads after the
-    others ran: a timed call never directly follows another function's call.
+    Round-robin puts every function through the same machine state (a shared VM's speed drifts by up to 2x within
+    minutes). ``before[i]()`` runs untimed right before each timed call of ``fns[i]``: it re-warms that function's
+    allocations and worker threads after the others ran. A function that runs on a GPU synchronises it itself.
     """
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    for name, fn in fns.items():
-        for _ in range(warmup[name]):
+    for fn in fns:
+        for _ in range(warmup):
             fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            fn()
-            sync()
+    times: list[list[float]] = [[] for _ in fns]
+    for r in range(rounds):
+        for j in range(len(fns)):
+            i = (r + j) % len(fns)
+            if before is not None:
+                before[i]()
             t0 = time.perf_counter()
-            fn()
-            sync()
-            times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: statistics.median(t) for name, t in times.items()}
+            fns[i]()
+            times[i].append(time.perf_counter() - t0)
+    return times
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo`` on Linux), else what :mod:`platform` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def describe_environment(device: torch.device) -> str:
     """One line naming the device and the versions that produced a table."""
-    import platform
-
     parts = [f"torch {torch.__version__}"]
     try:
         import triton
@@ -71,10 +59,13 @@ def describe_environment(device: torch.device) -> str:
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
     else:
-        import os
-
-        where = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+        where = f"CPU ({cpu_model()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
     return f"device: {where}; python {platform.python_version()}; " + ", ".join(parts)
+
+
+def row(*cells: object) -> str:
+    """One markdown table row."""
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def graph_ms(fn: Callable[[], object], leaves: list[torch.Tensor]) -> float:

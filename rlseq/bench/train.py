@@ -15,13 +15,11 @@ Variants: ``rlseq-none``, ``rlseq-efla``, ``rlseq-deltanet``, ``rlseq-gru``, ``r
 and ``sb3-lstm-impala`` (RecurrentPPO with the same IMPALA CNN and a 256-unit LSTM, the like-for-like
 baseline of ``rlseq-lstm``) use the IMPALA CNN of the config.
 
-Speed settings, labelled in the tables: ``--tf32`` (TF32 convolutions and matmuls for every variant; off by
-default, as in ``python -m rlseq.train``, so the baseline is true fp32), ``--amp bf16`` (the CNN in bf16
-autocast), ``--fused-adam``, ``--cuda-graph`` (acting replayed from a CUDA graph), ``--cuda-graph-train`` (each PPO
-minibatch update replayed from a CUDA graph; needs fused Adam) and ``--channels-last`` (NHWC CNN) (options ``bf16``,
-``fused``, ``graph``, ``tgraph``, ``nhwc``), all but TF32 for the rlseq variants only
-(the sb3 variants stay stock). A variant may also carry its own settings after ``+``, so one call compares them
-side by side in one process::
+Speed settings, one per ``+`` option of a variant, labelled in the tables: ``tf32`` (TF32 convolutions and
+matmuls; off by default, as in ``python -m rlseq.train``, so the baseline is true fp32), ``bf16`` (the CNN in bf16
+autocast), ``fused`` (fused Adam), ``graph`` (acting replayed from a CUDA graph), ``tgraph`` (each PPO minibatch
+update replayed from a CUDA graph; needs ``fused``) and ``nhwc`` (channels-last CNN); all but ``tf32`` for the
+rlseq variants only (the sb3 variants stay stock). One call compares them side by side in one process::
 
     python -m rlseq.bench train --variants rlseq-efla rlseq-efla+graph rlseq-efla+graph+bf16+fused+tf32
     python -m rlseq.bench train --variants rlseq-efla+graph+bf16+fused+nhwc+tf32 rlseq-efla+graph+bf16+fused+nhwc+tf32+tgraph
@@ -33,11 +31,12 @@ With ``tgraph`` the training phases ``train_forward``, ``train_backward`` and ``
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import torch
 
-from rlseq.bench.timing import describe_environment
+from rlseq.bench.timing import describe_environment, round_robin, row
 
 VARIANTS = ("rlseq-none", "rlseq-efla", "rlseq-deltanet", "rlseq-gru", "rlseq-lstm", "sb3-lstm", "sb3-lstm-impala", "sb3-ppo")
 # per-variant settings: VARIANT+OPTION[+OPTION...]
@@ -62,13 +61,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time each variant's rollouts in one block, one variant after the other")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tf32", action="store_true", help="allow TF32 convolutions and matmuls for every variant")
-    parser.add_argument("--amp", default="none", choices=("bf16", "none"), help="CNN autocast of the rlseq variants")
-    parser.add_argument("--fused-adam", action="store_true", help="fused Adam for the rlseq variants")
-    parser.add_argument("--cuda-graph", action="store_true", help="CUDA-graph acting for the rlseq variants (GPU)")
-    parser.add_argument("--cuda-graph-train", action="store_true",
-                        help="minibatch updates replayed from a CUDA graph for the rlseq variants (GPU, fused Adam)")
-    parser.add_argument("--channels-last", action="store_true", help="NHWC layout for the rlseq variants' CNN")
 
 
 def _variant(name: str) -> str:
@@ -84,6 +76,8 @@ def _variant(name: str) -> str:
         if option == "tgraph" and _train_graph_obstacle(base) is not None:
             raise argparse.ArgumentTypeError(f"tgraph cannot capture {base}'s training pass "
                                              f"({_train_graph_obstacle(base)})")
+    if "tgraph" in options and "fused" not in options:
+        raise argparse.ArgumentTypeError(f"tgraph needs fused Adam: add +fused to {name}")
     return name
 
 
@@ -94,19 +88,13 @@ def _train_graph_obstacle(base: str) -> str | None:
     return memory_class(base.removeprefix("rlseq-")).train_graph_obstacle if base.startswith("rlseq-") else None
 
 
-def settings(variant: str, args: argparse.Namespace) -> dict:
-    """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last"}`` of one
-    variant: the flags plus its ``+`` options. Everything but TF32 only ever applies to the rlseq variants, and
-    ``--cuda-graph-train`` not to a memory whose training pass cannot be captured (rlseq-lstm). ``cuda_graph_train`` is
-    always True or False, never ``python -m rlseq.train``'s auto: only tgraph (or ``--cuda-graph-train``) turns it on."""
-    base, *options = variant.split("+")
-    rlseq = base.startswith("rlseq-")
-    return {"tf32": bool(args.tf32) or "tf32" in options,
-            "amp": "bf16" if rlseq and (args.amp == "bf16" or "bf16" in options) else None,
-            "fused_adam": rlseq and (bool(args.fused_adam) or "fused" in options),
-            "cuda_graph": rlseq and (bool(args.cuda_graph) or "graph" in options),
-            "cuda_graph_train": rlseq and ("tgraph" in options or (bool(args.cuda_graph_train) and _train_graph_obstacle(base) is None)),
-            "channels_last": rlseq and (bool(args.channels_last) or "nhwc" in options)}
+def settings(variant: str) -> dict:
+    """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last"}`` of one variant, from its
+    ``+`` options (:func:`_variant` keeps all but tf32 to the rlseq variants). ``cuda_graph_train`` is always True or
+    False, never ``python -m rlseq.train``'s auto: only tgraph turns it on."""
+    options = variant.split("+")[1:]
+    return {"tf32": "tf32" in options, "amp": "bf16" if "bf16" in options else None, "fused_adam": "fused" in options,
+            "cuda_graph": "graph" in options, "cuda_graph_train": "tgraph" in options, "channels_last": "nhwc" in options}
 
 
 def describe_settings(s: dict) -> str:
@@ -132,9 +120,9 @@ def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None
     return resolve(build_parser().parse_args(argv))
 
 
-def _apply_switches(variant: str, args: argparse.Namespace) -> None:
+def _apply_switches(variant: str) -> None:
     """Set the process-wide TF32 switches of ``variant`` (read when kernels run: before it builds or runs)."""
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = settings(variant, args)["tf32"]
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = settings(variant)["tf32"]
 
 
 def _build(variant: str, args: argparse.Namespace, device: str):
@@ -142,39 +130,28 @@ def _build(variant: str, args: argparse.Namespace, device: str):
 
     from rlseq.train import build_model, make_env, observation_kind, ppo_kwargs
 
-    speed = settings(variant, args)
-    _apply_switches(variant, args)
+    speed = settings(variant)
+    _apply_switches(variant)
     variant = variant.split("+")[0]
     if variant.startswith("rlseq-"):
         cfg = _config(args, variant.split("-", 1)[1], "rlseq", speed)
         model = build_model(cfg, make_env(cfg, seed=args.seed), device)
     else:
-        cfg = _config(args, "lstm", "rlseq")
+        cfg = {**_config(args, "lstm", "rlseq"), "algo": "sb3-recurrent-ppo"}
         env = make_env(cfg, seed=args.seed)
-        common = dict(ppo_kwargs(cfg, device), batch_size=cfg["n_envs"] * cfg["n_steps"] // cfg["n_minibatches"])
         kind = observation_kind(env.observation_space)[0]
-        if kind != "image":  # vector envs: the CLI's stock sb3 policies
-            if variant == "sb3-lstm":
-                model = build_model({**cfg, "algo": "sb3-recurrent-ppo"}, env, device)
-            elif variant == "sb3-ppo":
-                from stable_baselines3 import PPO
-
-                model = PPO("MultiInputPolicy" if kind == "dict" else "MlpPolicy", env, **common)
-            else:
-                raise SystemExit(f"{variant} needs an image observation; {args.env} has none")
-        elif variant.startswith("sb3-lstm"):
+        if variant == "sb3-lstm-impala" and kind != "image":
+            raise SystemExit(f"{variant} needs an image observation; {args.env} has none")
+        if variant == "sb3-lstm-impala" or (variant == "sb3-lstm" and kind != "image"):
+            model = build_model(cfg, env, device)  # the CLI's sb3-contrib LSTM: over the IMPALA CNN on images
+        else:  # stock: SB3's NatureCNN on images, as a user's script would have it
             from sb3_contrib import RecurrentPPO
-
-            kwargs = {}
-            if variant == "sb3-lstm-impala":
-                from rlseq.policies import ImpalaCNN
-
-                kwargs = dict(features_extractor_class=ImpalaCNN, lstm_hidden_size=256)
-            model = RecurrentPPO("CnnLstmPolicy", env, policy_kwargs=kwargs, **common)
-        else:
             from stable_baselines3 import PPO
 
-            model = PPO("CnnPolicy", env, **common)
+            lstm = variant == "sb3-lstm"
+            policy = {"image": "Cnn", "vector": "Mlp", "dict": "MultiInput"}[kind] + ("LstmPolicy" if lstm else "Policy")
+            model = (RecurrentPPO if lstm else PPO)(policy, env, **ppo_kwargs(cfg, device),
+                                                    batch_size=cfg["n_envs"] * cfg["n_steps"] // cfg["n_minibatches"])
     model.set_logger(configure(None, []))
     return model, cfg
 
@@ -188,7 +165,7 @@ class _Bench:
     """One variant's model, warmed up, and the time of its timed rollouts so far."""
 
     def __init__(self, variant: str, args: argparse.Namespace, device: str) -> None:
-        self.variant, self.args, self.device = variant, args, device
+        self.variant, self.device = variant, device
         self.model, cfg = _build(variant, args, device)
         self.per_rollout = cfg["n_envs"] * cfg["n_steps"]
         self.seconds, self.rollouts = 0.0, 0
@@ -196,7 +173,7 @@ class _Bench:
         _sync(device)
 
     def timed(self, rollouts: int) -> None:
-        _apply_switches(self.variant, self.args)
+        _apply_switches(self.variant)
         _sync(self.device)
         t0 = time.perf_counter()
         self.model.learn(rollouts * self.per_rollout, reset_num_timesteps=False)
@@ -206,11 +183,10 @@ class _Bench:
 
     def result(self) -> dict:
         """The env-steps/s of the timed rollouts, then (rlseq) one profiled rollout's phase shares."""
-        out = {"variant": self.variant, "steps_per_s": self.rollouts * self.per_rollout / self.seconds,
-               "seconds": self.seconds}
+        out = {"variant": self.variant, "steps_per_s": self.rollouts * self.per_rollout / self.seconds}
         model = self.model
         if hasattr(model, "phases"):
-            _apply_switches(self.variant, self.args)
+            _apply_switches(self.variant)
             model.phases.enabled = True
             model.phases.reset()
             t1 = time.perf_counter()
@@ -241,9 +217,7 @@ def measure_all(args: argparse.Namespace, device: str) -> list[dict]:
             bench.close()
         return results
     benches = [_Bench(v, args, device) for v in args.variants]
-    for r in range(args.rollouts):
-        for i in range(len(benches)):
-            benches[(r + i) % len(benches)].timed(1)
+    round_robin([functools.partial(b.timed, 1) for b in benches], args.rollouts)  # each times itself, synchronised
     results = [b.result() for b in benches]
     for b in benches:
         b.close()
@@ -263,41 +237,33 @@ def main(args: argparse.Namespace) -> None:
 
         args.variants = [v for v in VARIANTS if v != "sb3-lstm-impala" or env_family(args.env) == "procgen"]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    if not device.startswith("cuda") and any(settings(v, args)["cuda_graph"] for v in args.variants):
-        raise SystemExit("CUDA-graph acting (--cuda-graph, +graph) needs a GPU device")
-    if not device.startswith("cuda") and any(settings(v, args)["cuda_graph_train"] for v in args.variants):
-        raise SystemExit("CUDA-graph training (--cuda-graph-train, +tgraph) needs a GPU device")
-    unfused = [v for v in args.variants if settings(v, args)["cuda_graph_train"] and not settings(v, args)["fused_adam"]]
-    if unfused:
-        raise SystemExit(f"CUDA-graph training (--cuda-graph-train, +tgraph) needs fused Adam (+fused or --fused-adam): "
-                         f"{', '.join(unfused)}")
+    graphed = [v for v in args.variants if settings(v)["cuda_graph"] or settings(v)["cuda_graph_train"]]
+    if graphed and not device.startswith("cuda"):
+        raise SystemExit(f"CUDA-graph acting or training (+graph, +tgraph) needs a GPU device: {', '.join(graphed)}")
     print(describe_environment(torch.device(device)))
     cfg = _config(args, "efla", "rlseq")
     print(f"{args.env}, {cfg['n_envs']} envs x {cfg['n_steps']} steps, {cfg['n_epochs']} epochs, "
           f"{cfg['n_minibatches']} minibatches; {args.warmup} warm-up + {args.rollouts} timed rollouts per variant")
-    defaults = settings("rlseq-none", args)
-    label = describe_settings(defaults)
-    print(f"settings: {label} (all but TF32: rlseq variants only; a variant's +options add to these)")
+    label = describe_settings(settings("rlseq-none"))
+    print(f"settings: {label} (a variant's +options change these)")
     print("timing: " + ("one variant after the other" if args.sequential else
                         "round-robin, one rollout per variant per round") + "\n", flush=True)
     results = measure_all(args, device)
     for res in results:
         variant = res["variant"]
-        print(f"  {variant} ({describe_settings(settings(variant, args))}): {res['steps_per_s']:,.0f} env-steps/s", flush=True)
+        print(f"  {variant} ({describe_settings(settings(variant))}): {res['steps_per_s']:,.0f} env-steps/s", flush=True)
     base = {r["variant"]: r["steps_per_s"] for r in results}
-    print(f"\n| variant ({label}) | env-steps/s | vs rlseq-none (same options) | vs sb3-lstm |")
-    print("|---|---:|---:|---:|")
+    print(f"\n| variant ({label}) | env-steps/s | vs rlseq-none (same options) | vs sb3-lstm |\n|---|---:|---:|---:|")
     for r in results:
         ref = _same_options_baseline(r["variant"], base)
         vs_none = f"{r['steps_per_s'] / ref:.2f}x" if ref else "n/a"
         vs_sb3 = f"{r['steps_per_s'] / base['sb3-lstm']:.2f}x" if "sb3-lstm" in base else "n/a"
-        print(f"| {r['variant']} | {r['steps_per_s']:,.0f} | {vs_none} | {vs_sb3} |")
+        print(row(r["variant"], f"{r['steps_per_s']:,.0f}", vs_none, vs_sb3))
     profiled = [r for r in results if "phases" in r]
     if profiled:
         names = [p for p in PHASES if any(p in r["phases"] for r in profiled)] + ["other"]
         print("\nShare of a profiled rollout (device synchronised at phase boundaries):\n")
-        print(f"| variant ({label}) | profiled env-steps/s | " + " | ".join(names) + " |")
-        print("|---|---:|" + "---:|" * len(names))
+        print(row(f"variant ({label})", "profiled env-steps/s", *names) + "\n|---|---:|" + "---:|" * len(names))
         for r in profiled:
-            cells = " | ".join(f"{100 * r['phases'].get(n, 0.0):.0f}%" for n in names)
-            print(f"| {r['variant']} | {r['profiled_steps_per_s']:,.0f} | {cells} |")
+            shares = (f"{100 * r['phases'].get(n, 0.0):.0f}%" for n in names)
+            print(row(r["variant"], f"{r['profiled_steps_per_s']:,.0f}", *shares))

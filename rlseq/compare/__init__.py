@@ -38,8 +38,8 @@ Outputs (in ``--out``, default RUNS_DIR, or the CSV's folder when RUNS_DIR is a 
 
 Modules: :mod:`~rlseq.compare.load` (event files and CSVs in), :mod:`~rlseq.compare.records` (what a damaged
 event file loses), :mod:`~rlseq.compare.stats`, :mod:`~rlseq.compare.plots`, :mod:`~rlseq.compare.report`
-(markdown), :mod:`~rlseq.compare.cli`. The names below are the public API; ``_read_event_file``,
-``_merge_resumed``, ``_rliable`` and ``_bootstrap_ci`` are re-exported for :mod:`rlseq.bench`.
+(markdown), :mod:`~rlseq.compare.cli`. The names below are the public API; ``_read_event_file`` and
+``_merge_resumed`` are re-exported for :mod:`rlseq.bench`, ``_rliable`` for the tests.
 """
 
 from rlseq.compare.cli import main
@@ -49,8 +49,8 @@ from rlseq.compare.load import _merge_resumed, _read_event_file, load_inputs, lo
 from rlseq.compare.plots import MEMORY_COLORS, plot_curves, plot_diagnostics, variant_styles
 from rlseq.compare.records import EventFileScan, scan_event_file
 from rlseq.compare.report import baseline_markdown, diagnostics_markdown, to_markdown
-from rlseq.compare.stats import (_bootstrap_ci, _rliable, diagnostics_summary, final_returns, relative_to_baseline,
-                                 summarize, without_baseline)
+from rlseq.compare.stats import (_rliable, diagnostics_summary, final_returns, relative_to_baseline, summarize,
+                                 without_baseline)
 
 __all__ = [
     "COLUMNS", "DEFAULT_METRIC", "DIAGNOSTIC_TAGS", "LAYOUT_HELP", "LOG_SCALE_TAGS", "MEMORY_COLORS", "MEMORY_ORDER",
@@ -58,6 +58,6 @@ __all__ = [
     "diagnostics_markdown", "diagnostics_summary", "final_returns", "load_inputs", "load_runs", "load_scalars",
     "main", "plot_curves", "plot_diagnostics", "relative_to_baseline", "save_scalars", "scan_event_file",
     "summarize", "to_markdown", "variant_order", "variant_styles", "without_baseline",
-    # used by rlseq.bench (memory benchmark): one event reader and one bootstrap for the whole project
-    "_bootstrap_ci", "_merge_resumed", "_read_event_file", "_rliable",
+    # used by rlseq.bench (memory benchmark): one event reader for the whole project; rliable for the tests
+    "_merge_resumed", "_read_event_file", "_rliable",
 ]
