@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -307,3 +308,40 @@ def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
             os.kill(pid, signal.SIGKILL)
     with run_folder_lock(run):  # and its folder is free for the next sweep
         pass
+
+
+def test_two_sweeps_over_one_tree_train_each_run_once_and_record_none_as_failed(tmp_path):
+    # two terminals (or two hosts on a shared disk) start the same sweep at once: each run is trained by one of
+    # them; the other finds it finished, or locked by the first one's trainer ("elsewhere"), and never failed
+    popgym = "popgym-RepeatPreviousEasy-v0"
+    path = _sweep_file(tmp_path, envs=[popgym], memories=["none"], seeds=[0, 1, 2],
+                       flags={"total_steps": 64, "n_envs": 2, "n_steps": 16, "n_minibatches": 1, "n_epochs": 1})
+    names = [f"{popgym}/none-tiny/seed{s}" for s in (0, 1, 2)]
+    argv = [sys.executable, "-m", "rlseq.sweep", *_cpu(path, "--parallel", "1", "--no-progress")]
+    sweeps = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    try:
+        outs = [s.communicate(timeout=600)[0] for s in sweeps]
+    finally:
+        for s in sweeps:
+            if s.poll() is None:
+                s.kill()
+                s.wait()
+    ended = []  # (sweep, state, run) of each "<state> <run>" line a sweep prints when a run's task ends
+    for i, out in enumerate(outs):
+        ended += [(i, line.split()[0], line.split()[1]) for line in out.splitlines()
+                  if len(line.split()) > 1 and line.split()[1] in names]
+    assert not [e for e in ended if e[1] == "failed"], outs
+    for name in names:
+        trained = [i for i, state, run in ended if run == name and state == "done"]
+        assert len(trained) == 1, (name, outs)  # one sweep trained it; the other one did not claim it
+        log = (tmp_path / "runs" / name / "train.log").read_text()
+        assert log.count("done: 64 env steps") == 1, log
+    assert any(state in ("elsewhere", "finished") for _, state, _ in ended), "the sweeps did not overlap: " + \
+        "\n".join(outs)
+    # each sweep exits 0 unless a run was still training elsewhere when it ended (1, and said so)
+    for s, out in zip(sweeps, outs):
+        assert s.returncode == 0 or (s.returncode == 1 and "running elsewhere" in out.splitlines()[-1]), out
+    assert 0 in [s.returncode for s in sweeps], outs  # the later one saw the grid finished
+    # the status file holds what the sweep that ended last saw: every run finished
+    assert {n: r["state"] for n, r in _status(tmp_path).items()} in (
+        {n: s for n, s in zip(names, states)} for states in itertools.product(("done", "finished"), repeat=3))
