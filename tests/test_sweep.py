@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import signal
@@ -312,7 +311,7 @@ def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
 
 def test_two_sweeps_over_one_tree_train_each_run_once_and_record_none_as_failed(tmp_path):
     # two terminals (or two hosts on a shared disk) start the same sweep at once: each run is trained by one of
-    # them; the other finds it finished, or locked by the first one's trainer ("elsewhere"), and never failed
+    # them; the other finds it finished, or held by the first one ("elsewhere"), and never records it as failed
     popgym = "popgym-RepeatPreviousEasy-v0"
     path = _sweep_file(tmp_path, envs=[popgym], memories=["none"], seeds=[0, 1, 2],
                        flags={"total_steps": 64, "n_envs": 2, "n_steps": 16, "n_minibatches": 1, "n_epochs": 1})
@@ -331,6 +330,8 @@ def test_two_sweeps_over_one_tree_train_each_run_once_and_record_none_as_failed(
         ended += [(i, line.split()[0], line.split()[1]) for line in out.splitlines()
                   if len(line.split()) > 1 and line.split()[1] in names]
     assert not [e for e in ended if e[1] == "failed"], outs
+    for i in range(2):  # each sweep accounts for every run once
+        assert sorted(run for j, state, run in ended if j == i and state != "start") == names, outs[i]
     for name in names:
         trained = [i for i, state, run in ended if run == name and state == "done"]
         assert len(trained) == 1, (name, outs)  # one sweep trained it; the other one did not claim it
@@ -343,5 +344,5 @@ def test_two_sweeps_over_one_tree_train_each_run_once_and_record_none_as_failed(
         assert s.returncode == 0 or (s.returncode == 1 and "running elsewhere" in out.splitlines()[-1]), out
     assert 0 in [s.returncode for s in sweeps], outs  # the later one saw the grid finished
     # the status file holds what the sweep that ended last saw: every run finished
-    assert {n: r["state"] for n, r in _status(tmp_path).items()} in (
-        {n: s for n, s in zip(names, states)} for states in itertools.product(("done", "finished"), repeat=3))
+    status = _status(tmp_path)
+    assert list(status) == names and all(row["state"] in ("done", "finished") for row in status.values()), status
