@@ -38,23 +38,31 @@ recorded as failed with the end of its log. A run whose worker or node dies is r
 ``--retries`` times) and resumes from its checkpoint. SIGINT or SIGTERM to the sweep cancels the queued runs
 and stops every trainer with SIGTERM (through ``ray.cancel``); the runs it stops are recorded as ``stopped`` and resume the next
 time the sweep is started (tasks that have not ended a minute later are killed). A sweep killed outright
-(SIGKILL) takes its embedded Ray with it, and each trainer gets SIGTERM when its Ray worker dies. Every
-training process locks its run folder, so a second sweep (or a stray process) never writes into a run that is
-training: that run fails at once with the holder's pid. ``<logdir>/sweep-<name>.json`` holds the state of
-every run (node, GPU, attempts, env steps) and is rewritten atomically whenever one starts or ends; a progress
+(SIGKILL) takes its embedded Ray with it, and each trainer gets SIGTERM when its Ray worker dies.
+
+Two sweeps over one tree (two terminals, or hosts sharing the disk) split the grid: a sweep's task locks the
+run folder (``.sweep.lock``) before it starts a trainer, and the trainer locks it too (``.lock``, exit status
+75 when another process holds it). A run that the other sweep (or any other training process) holds is recorded
+as ``elsewhere``, one that it finished as ``finished``; neither is failed, retried or trained twice. Each
+sweep's end re-reads the runs it left elsewhere, so the status file of the sweep that ends last shows the
+grid finished. ``<logdir>/sweep-<name>.json`` holds the state of
+every run (node, GPU, attempts, env steps) and is rewritten atomically whenever one starts or ends (two sweeps of
+one file share it: the last writer's view holds); a progress
 bar over the grid's env steps (from the checkpoints) shows done / running / failed and the ETA. The exit code
-is 0 when every run of the grid (or of ``--only``) finished, 1 when one failed or was stopped, 2 for a bad
-sweep file or flag.
+is 0 when every run of the grid (or of ``--only``) finished, 1 when one failed, was stopped or is still
+training elsewhere, 2 for a bad sweep file or flag.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -86,7 +94,9 @@ class Run:
     argv: list[str]
     folder: Path
     total_steps: int = 0  # env steps of the finished run
-    state: str = "pending"  # pending | finished | running | done | failed | stopped
+    # pending | finished (before this sweep reached it, or by another sweep) | running | done (trained here) |
+    # elsewhere (another sweep or process holds it) | failed | stopped
+    state: str = "pending"
     returncode: int | None = None
     node: str | None = None  # the Ray node's address
     gpu: str | None = None  # the GPU ids Ray gave it (None on the CPU)
@@ -323,11 +333,44 @@ def _train_once(argv: list[str], env: dict[str, str], cwd: str | None, folder: P
     return proc.returncode, proc.returncode in STOPPED_BY
 
 
+SWEEP_LOCK_NAME = ".sweep.lock"
+
+
+@contextlib.contextmanager
+def _sweep_lock(folder: Path):
+    """Hold ``folder/.sweep.lock`` while a sweep's task works on the run; yields None, or the holder (``pid N on
+    HOST``) when another sweep's task holds it. A second sweep on the same tree thus leaves the run to the first
+    one instead of starting a trainer that would find the folder busy, or finished under its feet. The kernel
+    drops the lock when its holder dies, however it dies. On systems without ``fcntl`` no lock is taken."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not on POSIX
+        yield None
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / SWEEP_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the trainer
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            holder = None
+        except BlockingIOError:
+            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        if holder is None:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield holder
+    finally:
+        os.close(fd)
+
+
 def train_run(spec: dict[str, Any], board: Any) -> dict[str, Any]:
     """Train one run inside a Ray task: ``python -m rlseq.train ... --resume`` until it finishes, and again from
     its last checkpoint after a non-zero exit, ``spec["retries"]`` times at most. A run that was stopped
-    (by the sweep or a signal) is not retried. Returns ``{"state", "returncode", "started", "ended", ...}``."""
+    (by the sweep or a signal), finished by another process, or in another process's hands (another sweep on
+    the same tree) is not retried. Returns ``{"state", "returncode", "started", "ended", ...}``."""
     import ray
+
+    from rlseq.train import BUSY_EXIT
 
     gpus = [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(spec["threads"]),
@@ -339,20 +382,29 @@ def train_run(spec: dict[str, Any], board: Any) -> dict[str, Any]:
     folder = Path(spec["folder"])
     info: dict[str, Any] = {"node": ray.util.get_node_ip_address(), "gpu": ",".join(gpus) or None,
                             "started": time.time()}
-    started, rc, stopped = info["started"], None, False
+    started, rc, state, tail = info["started"], None, "failed", []
     try:
-        for attempt in range(spec["retries"] + 1):
-            if attempt:
-                info = dict(info, started=time.time(), retry_after=rc)
-            board.started.remote(spec["name"], info)  # no wait for the answer (see _train_once)
-            rc, stopped = _train_once(argv, env, cwd, folder)
-            if rc == 0 or stopped:
-                break
+        with _sweep_lock(folder) as holder:
+            if holder is not None:  # another sweep on the same tree has it
+                state, tail = "elsewhere", [f"another sweep works on this run: {holder}"]
+            for attempt in range(spec["retries"] + 1 if holder is None else 0):
+                if (folder / "final_model.zip").exists():  # finished by another sweep since this one started
+                    state = "finished"
+                    break
+                if attempt:
+                    info = dict(info, started=time.time(), retry_after=rc)
+                board.started.remote(spec["name"], info)  # no wait for the answer (see _train_once)
+                rc, stopped = _train_once(argv, env, cwd, folder)
+                # BUSY_EXIT: a process outside any sweep trains into the folder
+                state = "done" if rc == 0 else "elsewhere" if rc == BUSY_EXIT else "stopped" if stopped else "failed"
+                if state != "failed":
+                    break
     except KeyboardInterrupt:  # cancelled between two trainers
-        stopped = True
-    state = "done" if rc == 0 else "stopped" if stopped else "failed"
+        state = "stopped"
+    if state in ("failed", "elsewhere") and not tail:
+        tail = log_tail(folder / "train.log")
     return {"state": state, "returncode": rc, "started": started, "ended": time.time(), "node": info["node"],
-            "gpu": info["gpu"], "log_tail": log_tail(folder / "train.log") if state == "failed" else []}
+            "gpu": info["gpu"], "log_tail": tail}
 
 
 # --- the driver ----------------------------------------------------------------------------------------------
@@ -510,17 +562,23 @@ def execute(runs: list[Run], res: Resources, *, status_path: Path, spec_name: st
         if bar is not None:
             bar.close()
         ray.shutdown()
+        for r in runs:  # what another sweep was training may have finished meanwhile
+            if r.state == "elsewhere" and (r.folder / "final_model.zip").exists():
+                r.state = "finished"
         _write_status(status_path, spec_name, runs)
     failed = [r for r in runs if r.state == "failed"]
     left = [r for r in runs if r.state in ("pending", "running", "stopped")]
+    elsewhere = [r for r in runs if r.state == "elsewhere"]
     print(f"sweep {spec_name}: {sum(r.state in ('done', 'finished') for r in runs)} finished, {len(failed)} failed"
-          + (f", {len(left)} not run (stopped)" if left else ""), flush=True)
+          + (f", {len(left)} not run (stopped)" if left else "")
+          + (f", {len(elsewhere)} running elsewhere (another sweep or process holds them)" if elsewhere else ""),
+          flush=True)
     return len(failed)
 
 
 def _on_start(run: Run, info: dict[str, Any], bar: Any) -> None:
     run.attempts += 1
-    if run.state in ("done", "failed", "stopped"):  # its end overtook this message
+    if run.state in ("done", "failed", "stopped", "finished", "elsewhere"):  # its end overtook this message
         return
     run.state, run.node, run.gpu = "running", info["node"], info["gpu"]
     run.started = run.started or info["started"]

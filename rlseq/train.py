@@ -25,7 +25,9 @@ finished, ``final_model.zip``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -141,11 +143,50 @@ def run_dir(logdir: str | Path, cfg: dict[str, Any]) -> Path:
     return Path(logdir) / env_folder(cfg["env"]) / variant / f"seed{cfg['seed']}"
 
 
+# the exit status when another process holds the run folder: sysexits' EX_TEMPFAIL, "try again later" (a sweep
+# records such a run as running elsewhere instead of failed)
+BUSY_EXIT = 75
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Stopped(BaseException):
+    """SIGINT or SIGTERM outside ``model.learn`` (which checkpoints and stops by itself): raised by the signal
+    handler where the process is, like KeyboardInterrupt, so that nothing half-built is kept."""
+
+    def __init__(self, signum: int, where: str = "before training started"):
+        super().__init__(signum)
+        self.signum, self.where = signum, where
+
+
+def _raise_stopped(signum: int, frame: object) -> None:
+    raise Stopped(signum)
+
+
+@contextlib.contextmanager
+def _finishing_despite_signals():
+    """While the block runs, SIGINT and SIGTERM are held back (their numbers are appended to the list it yields)
+    so that the final save completes; a second signal aborts it with :class:`Stopped`."""
+    pending: list[int] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if pending:
+            raise Stopped(signum, where="during the final save (a second signal), which did not complete")
+        pending.append(signum)
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield pending
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 def train(args: argparse.Namespace) -> Path:
-    """Resolve, build and train; returns the run folder. The run folder is locked while it trains."""
+    """Resolve, build and train; returns the run folder. The run folder is locked while it trains (another
+    process holding it raises :class:`rlseq.checkpoint.RunFolderBusy`)."""
     import torch
 
-    from rlseq.checkpoint import RunFolderBusy, run_folder_lock
+    from rlseq.checkpoint import run_folder_lock
 
     cfg = resolve(args)
     cfg["verbose"] = args.verbose
@@ -155,15 +196,12 @@ def train(args: argparse.Namespace) -> Path:
     cfg["cuda_graph"] = cfg["cuda_graph"] and torch.device(device).type == "cuda"  # recorded as it runs
     if torch.device(device).type != "cuda" and cfg["cuda_graph_train"] is True:
         cfg["cuda_graph_train"] = False  # a config's true on the CPU: nothing to capture (auto stays auto for a GPU)
-    folder = run_dir(args.logdir, cfg)
+    folder = args.run_folder = run_dir(args.logdir, cfg)
     if args.resume and not folder.is_dir():
         raise UsageError(f"--resume: there is no run folder {folder} (it follows from --logdir, --env, --memory, "
                          "--algo, --tag and --seed); check those, or drop --resume to start the run")
-    try:
-        with run_folder_lock(folder):
-            return _train_locked(args, cfg, folder, device)
-    except RunFolderBusy as e:
-        raise UsageError(str(e)) from None
+    with run_folder_lock(folder):
+        return _train_locked(args, cfg, folder, device)
 
 
 def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, device: str) -> Path:
@@ -171,7 +209,7 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     from stable_baselines3.common.callbacks import CallbackList
 
     from rlseq.callbacks import Progress, tensorboard_logger
-    from rlseq.checkpoint import LOCK_NAME, CheckpointCallback, save_checkpoint, stop_on_signals
+    from rlseq.checkpoint import LOCK_NAME, CheckpointCallback, stop_on_signals, write_text_atomic
     from rlseq.envs import ScaledReturnLogger
 
     ckpt_root = folder / "checkpoints"
@@ -192,8 +230,7 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     if cfg["algo"] == "rlseq":  # what runs, not "auto" (a True that cannot be used warns and trains eagerly)
         cfg["cuda_graph_train"] = model.trains_from_graph()
     # written once the model is known, so that a resumed run records the precision it really trains with
-    with open(folder / "config.yaml", "w") as f:
-        yaml.safe_dump({**cfg, "device": device}, f, sort_keys=True)
+    write_text_atomic(folder / "config.yaml", yaml.safe_dump({**cfg, "device": device}, sort_keys=True))
     # a resumed run's curves go on from its checkpoint: TensorBoard drops what the killed process logged after it
     # (all of it when the killed process left no checkpoint)
     purge_step = model.num_timesteps + 1 if latest is not None else (0 if args.resume else None)
@@ -208,15 +245,34 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     if remaining > 0:
         with stop_on_signals(checkpoints):
             model.learn(remaining, callback=CallbackList(callbacks), reset_num_timesteps=latest is None)
-    if checkpoints.stopped_by is not None:
+    with _finishing_despite_signals() as pending:
+        if checkpoints.stopped_by is not None:
+            env.close()
+            _stop_with_resume_hint(args, checkpoints)
+        _final_save(model, folder)
         env.close()
-        _stop_with_resume_hint(args, checkpoints)
-    save_checkpoint(model, ckpt_root)
-    model.save(folder / ".final_model.tmp.zip")
-    (folder / ".final_model.tmp.zip").replace(folder / "final_model.zip")
-    env.close()
-    print(f"done: {model.num_timesteps:,} env steps in {folder}", flush=True)
+        if not pending:
+            print(f"done: {model.num_timesteps:,} env steps in {folder}", flush=True)
+    if pending:
+        print(f"stopped by {signal.Signals(pending[0]).name} during the final save, which completed: "
+              f"{model.num_timesteps:,} env steps in {folder / 'final_model.zip'}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + pending[0])
     return folder
+
+
+def _final_save(model, folder: Path) -> None:
+    """The last checkpoint and ``final_model.zip``, each written atomically; a :class:`Stopped` that aborts them
+    names the checkpoint that a resume continues from (the previous one, or this save's if it completed)."""
+    from rlseq.checkpoint import resumable_checkpoint, save_checkpoint
+
+    try:
+        save_checkpoint(model, folder / "checkpoints")
+        model.save(folder / ".final_model.tmp.zip")
+        (folder / ".final_model.tmp.zip").replace(folder / "final_model.zip")
+    except Stopped as e:
+        kept = resumable_checkpoint(folder / "checkpoints")[0]
+        e.where += f"; newest intact checkpoint: {kept.name if kept is not None else 'none'}"
+        raise
 
 
 def resume_command(args: argparse.Namespace) -> str:
@@ -227,8 +283,6 @@ def resume_command(args: argparse.Namespace) -> str:
 
 def _stop_with_resume_hint(args: argparse.Namespace, checkpoints) -> None:
     """After SIGINT or SIGTERM: one line with the checkpoint and the command to resume; exit 128 + signal."""
-    import signal
-
     name = signal.Signals(checkpoints.stopped_by).name
     print(f"stopped by {name}: checkpoint step{checkpoints.stop_step} saved; resume with: {resume_command(args)}",
           file=sys.stderr, flush=True)
@@ -236,18 +290,37 @@ def _stop_with_resume_hint(args: argparse.Namespace, checkpoints) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The CLI. Exit status: 0 trained or finished already, 2 a usage error, 75 (:data:`BUSY_EXIT`) the run folder
+    is in use by another process, 128 + the signal number after SIGINT or SIGTERM (one line says what remains)."""
+    from rlseq.checkpoint import RunFolderBusy
+
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.command_line = argv
+    previous = {s: signal.signal(s, _raise_stopped) for s in STOP_SIGNALS}
     try:
         train(args)
     except UsageError as e:
         for line in str(e).splitlines():
             print(f"error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
-    except KeyboardInterrupt:  # before training started, or a second Ctrl-C: the newest checkpoint is what remains
+    except RunFolderBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(BUSY_EXIT) from None
+    except Stopped as e:  # before learn (no checkpoint is written then), or a second signal in the final save
+        folder = getattr(args, "run_folder", None)
+        again = resume_command(args) if folder is not None and folder.is_dir() else \
+            shlex.join(["python", "-m", "rlseq.train", *argv])
+        print(f"stopped by {signal.Signals(e.signum).name} {e.where}; continue with: {again}",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + e.signum) from None
+    except KeyboardInterrupt:  # a second signal while training: the newest checkpoint is what remains
         print(f"interrupted; continue from the newest checkpoint with: {resume_command(args)}", file=sys.stderr)
         raise SystemExit(130) from None
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
 
 
 if __name__ == "__main__":

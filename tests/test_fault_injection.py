@@ -3,6 +3,7 @@ at its budget with the expected checkpoints and one TensorBoard point per rollou
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -11,29 +12,67 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from rlseq.train import main as train_main
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = "popgym-RepeatPreviousEasy-v0"
 ROLLOUT, TOTAL, KILLS = 8, 160, 3  # 2 envs x 4 steps, a checkpoint at every rollout
 
+pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open") or not hasattr(os, "fork"),
+                                reason="kills through a pidfd (Linux), in forked processes")
 
-def _train_until_killed(argv: list[str], delay: float) -> bool:
-    """Start ``python -m rlseq.train argv``; once it trains (its second rollout has started), wait ``delay`` s and
-    SIGKILL it. Returns whether it was killed (it may have finished first)."""
-    proc = subprocess.Popen([sys.executable, "-m", "rlseq.train", *argv], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    lines = []
-    for line in proc.stdout:  # ProgressEstimate's line comes at the second rollout start
+
+# forks a training process per command line it reads (JSON argv), each one ``python -m rlseq.train``'s main with the
+# imports done once, in the server (seconds each, on a loaded 2-core machine most of this test's time); it prints
+# the child's pid first and ``exit <status>`` (negative: the signal) on a line of its own once it has reaped it
+_FORK_SERVER = """
+import json, os, sys
+import torch._dynamo  # imported by the first optimizer a run builds
+import rlseq.algos, rlseq.envs, rlseq.train
+
+while line := sys.stdin.readline():
+    pid = os.fork()
+    if pid == 0:
+        print(f"pid {os.getpid()}", flush=True)
+        rlseq.train.main(json.loads(line))
+        sys.exit(0)
+    print(f"\\nexit {os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])}", flush=True)
+"""
+
+
+def _read_until(server: subprocess.Popen, lines: list[str], *starts: str) -> str:
+    """Append ``server``'s output lines to ``lines`` up to one that starts with one of ``starts``; returns it."""
+    while True:
+        line = server.stdout.readline()
+        assert line, "the fork server ended:\n" + "".join(lines)
         lines.append(line)
-        if line.startswith("measured"):
-            break
-    time.sleep(delay)
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGKILL)
-    rest, _ = proc.communicate(timeout=60)
-    assert proc.returncode in (0, -signal.SIGKILL), "".join(lines) + rest
-    return proc.returncode == -signal.SIGKILL
+        if line.startswith(starts):
+            return line
+
+
+def _train_until_killed(server: subprocess.Popen, argv: list[str], delay: float) -> bool:
+    """Train ``argv`` in a process forked by ``server``; once it trains (its second rollout has started), wait
+    ``delay`` s and SIGKILL it. Returns whether it was killed (it may have finished first)."""
+    server.stdin.write(json.dumps(argv) + "\n")
+    server.stdin.flush()
+    lines: list[str] = []
+    pid = int(_read_until(server, lines, "pid ").split()[1])
+    pidfd = os.pidfd_open(pid)  # signals through it reach that process only, never a later one with its pid
+    try:
+        if _read_until(server, lines, "measured", "exit ").startswith("measured"):  # the progress estimate's line
+            time.sleep(delay)
+            try:
+                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            except ProcessLookupError:  # it finished first
+                pass
+            _read_until(server, lines, "exit ")
+    finally:
+        os.close(pidfd)
+    code = int(lines[-1].split()[1])
+    assert code in (0, -signal.SIGKILL), "".join(lines)
+    return code == -signal.SIGKILL
 
 
 def _curve(folder: Path, tag: str = "time/fps") -> list[int]:
@@ -53,10 +92,17 @@ def test_kill_9_at_random_points_then_resume_loses_no_checkpoint_and_logs_each_s
     folder = tmp_path / ENV / "none" / "seed0"
     delays = [rng.uniform(0.0, 1.5) for _ in range(KILLS)]
     killed = 0
-    for delay in delays:
-        killed += _train_until_killed(argv + (["--resume"] if folder.exists() else []), delay)
-        if (folder / "final_model.zip").exists():
-            break
+    server = subprocess.Popen([sys.executable, "-c", _FORK_SERVER], cwd=REPO, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    try:
+        for delay in delays:
+            killed += _train_until_killed(server, argv + (["--resume"] if folder.exists() else []), delay)
+            if (folder / "final_model.zip").exists():
+                break
+    finally:
+        server.stdin.close()  # it ends
+        server.wait(timeout=60)
     assert killed >= 1, "every process finished before its kill: the run is too short to test anything"
     train_main(argv + ["--resume"])
 

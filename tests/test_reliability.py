@@ -175,6 +175,88 @@ def test_a_signal_saves_a_checkpoint_prints_one_resume_line_and_exits_128_plus_t
     assert resumable_checkpoint(folder.parent) == (folder, [])
 
 
+# a training process that sends itself ``signum`` from inside a function of the product: at the start of the model
+# build ("build"), at the start of the final save ("final"), or there and again once the final save has written
+# the new checkpoint's model ("final-twice"); argv: phase, signal number, total steps, then the train flags
+_SIGNAL_FROM_INSIDE = """
+import os, sys
+import rlseq.checkpoint as C, rlseq.train as T
+
+phase, signum, total, argv = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
+build, save, rng_state = T.build_model, C.save_checkpoint, C.rng_state
+
+
+def signalling_build(*args, **kwargs):
+    os.kill(os.getpid(), signum)
+    return build(*args, **kwargs)
+
+
+def signalling_save(model, *args, **kwargs):
+    if model.num_timesteps >= total:  # the final save, not a periodic one
+        os.kill(os.getpid(), signum)
+        if phase == "final-twice":
+            C.rng_state = lambda: (os.kill(os.getpid(), signum), rng_state())[1]
+    return save(model, *args, **kwargs)
+
+
+T.build_model, C.save_checkpoint = (signalling_build, save) if phase == "build" else (build, signalling_save)
+T.main(argv)
+"""
+
+
+def _signalled_run(tmp_path: Path, phase: str, signum: int) -> tuple[int, list[str], list[str]]:
+    """``(returncode, stderr lines, the argv of the run)`` of a 32-step run sent ``signum`` in ``phase``."""
+    argv = _argv(tmp_path, 32)
+    proc = subprocess.run([sys.executable, "-c", _SIGNAL_FROM_INSIDE, phase, str(int(signum)), "32", *argv], cwd=REPO,
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONWARNINGS="ignore"))
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, proc.stderr.strip().splitlines(), argv
+
+
+def _continue(line: str) -> None:
+    """Run the command that ``line`` ends with (``... continue with: python -m rlseq.train ...``) in-process."""
+    command = shlex.split(line.split("continue with: ")[1])
+    assert command[:3] == ["python", "-m", "rlseq.train"], line
+    train_main(command[3:])
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_while_the_model_is_built_exits_128_plus_it_with_one_line_and_writes_nothing(signum, tmp_path):
+    code, err, argv = _signalled_run(tmp_path, "build", signum)
+    assert code == 128 + signum, err
+    assert err == [f"stopped by {signal.Signals(signum).name} before training started; continue with: "
+                   + shlex.join(["python", "-m", "rlseq.train", *argv, "--resume"])]
+    assert sorted(p.name for p in _folder(tmp_path).iterdir()) == [".lock"]  # no config, curve or checkpoint
+    _continue(err[-1])
+    assert _steps(_folder(tmp_path) / "final_model.zip") == 32
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_in_the_final_save_lets_it_complete_then_exits_128_plus_it_with_one_line(signum, tmp_path):
+    code, err, _ = _signalled_run(tmp_path, "final", signum)
+    assert code == 128 + signum, err
+    assert err == [f"stopped by {signal.Signals(signum).name} during the final save, which completed: 32 env steps "
+                   f"in {_folder(tmp_path) / 'final_model.zip'}"]
+    assert _steps(_folder(tmp_path) / "final_model.zip") == 32
+    from rlseq.checkpoint import resumable_checkpoint
+
+    ckpt = _folder(tmp_path) / "checkpoints"
+    assert _checkpoints(tmp_path) == ["step16", "step32"] and resumable_checkpoint(ckpt) == (ckpt / "step32", [])
+    assert not list(_folder(tmp_path).glob(".*tmp*")) and not list((_folder(tmp_path) / "checkpoints").glob(".*"))
+
+
+def test_a_second_signal_aborts_the_final_save_and_names_the_intact_checkpoint_a_resume_continues_from(tmp_path):
+    code, err, argv = _signalled_run(tmp_path, "final-twice", signal.SIGTERM)
+    assert code == 128 + signal.SIGTERM, err
+    assert err == ["stopped by SIGTERM during the final save (a second signal), which did not complete; newest "
+                   "intact checkpoint: step16; continue with: "
+                   + shlex.join(["python", "-m", "rlseq.train", *argv, "--resume"])]
+    assert not (_folder(tmp_path) / "final_model.zip").exists() and _checkpoints(tmp_path) == ["step16"]
+    assert list((_folder(tmp_path) / "checkpoints").glob(".step32.tmp*")), "the save was not stopped midway"
+    _continue(err[-1])  # removes the killed save's temporary folder and trains step 16 to 32 again
+    assert _steps(_folder(tmp_path) / "final_model.zip") == 32 and _checkpoints(tmp_path) == ["step16", "step32"]
+
+
 # --- 5. config files and flags -------------------------------------------------------------------------------
 
 

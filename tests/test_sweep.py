@@ -307,3 +307,42 @@ def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
             os.kill(pid, signal.SIGKILL)
     with run_folder_lock(run):  # and its folder is free for the next sweep
         pass
+
+
+def test_two_sweeps_over_one_tree_train_each_run_once_and_record_none_as_failed(tmp_path):
+    # two terminals (or two hosts on a shared disk) start the same sweep at once: each run is trained by one of
+    # them; the other finds it finished, or held by the first one ("elsewhere"), and never records it as failed
+    popgym = "popgym-RepeatPreviousEasy-v0"
+    path = _sweep_file(tmp_path, envs=[popgym], memories=["none"], seeds=[0, 1, 2],
+                       flags={"total_steps": 64, "n_envs": 2, "n_steps": 16, "n_minibatches": 1, "n_epochs": 1})
+    names = [f"{popgym}/none-tiny/seed{s}" for s in (0, 1, 2)]
+    argv = [sys.executable, "-m", "rlseq.sweep", *_cpu(path, "--parallel", "1", "--no-progress")]
+    sweeps = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for _ in range(2)]
+    try:
+        outs = [s.communicate(timeout=600)[0] for s in sweeps]
+    finally:
+        for s in sweeps:
+            if s.poll() is None:
+                s.kill()
+                s.wait()
+    ended = []  # (sweep, state, run) of each "<state> <run>" line a sweep prints when a run's task ends
+    for i, out in enumerate(outs):
+        ended += [(i, line.split()[0], line.split()[1]) for line in out.splitlines()
+                  if len(line.split()) > 1 and line.split()[1] in names]
+    assert not [e for e in ended if e[1] == "failed"], outs
+    for i in range(2):  # each sweep accounts for every run once
+        assert sorted(run for j, state, run in ended if j == i and state != "start") == names, outs[i]
+    for name in names:
+        trained = [i for i, state, run in ended if run == name and state == "done"]
+        assert len(trained) == 1, (name, outs)  # one sweep trained it; the other one did not claim it
+        log = (tmp_path / "runs" / name / "train.log").read_text()
+        assert log.count("done: 64 env steps") == 1, log
+    assert any(state in ("elsewhere", "finished") for _, state, _ in ended), "the sweeps did not overlap: " + \
+        "\n".join(outs)
+    # each sweep exits 0 unless a run was still training elsewhere when it ended (1, and said so)
+    for s, out in zip(sweeps, outs):
+        assert s.returncode == 0 or (s.returncode == 1 and "running elsewhere" in out.splitlines()[-1]), out
+    assert 0 in [s.returncode for s in sweeps], outs  # the later one saw the grid finished
+    # the status file holds what the sweep that ended last saw: every run finished
+    status = _status(tmp_path)
+    assert list(status) == names and all(row["state"] in ("done", "finished") for row in status.values()), status
