@@ -275,11 +275,12 @@ def _flush_event_files(logger: Any) -> None:
 @contextlib.contextmanager
 def stop_on_signals(callback: CheckpointCallback, signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
     """While the block runs, SIGINT and SIGTERM ask ``callback`` to checkpoint and stop at the next rollout start
-    instead of killing the process mid-rollout; a second signal raises :class:`KeyboardInterrupt` at once."""
+    instead of killing the process mid-rollout; a second signal raises :class:`KeyboardInterrupt` at once, with the
+    signal's number as its argument (the CLI exits with 128 + it)."""
 
     def handler(signum: int, frame: Any) -> None:
         if callback._stop_asked:
-            raise KeyboardInterrupt
+            raise KeyboardInterrupt(signum)
         callback.request_stop(signum)
 
     previous = {s: signal.signal(s, handler) for s in signums}

@@ -314,9 +314,11 @@ def main(argv: list[str] | None = None) -> None:
         print(f"stopped by {signal.Signals(e.signum).name} {e.where}; continue with: {again}",
               file=sys.stderr, flush=True)
         raise SystemExit(128 + e.signum) from None
-    except KeyboardInterrupt:  # a second signal while training: the newest checkpoint is what remains
-        print(f"interrupted; continue from the newest checkpoint with: {resume_command(args)}", file=sys.stderr)
-        raise SystemExit(130) from None
+    except KeyboardInterrupt as e:  # a second signal while training: the newest checkpoint is what remains
+        signum = e.args[0] if e.args and isinstance(e.args[0], int) else int(signal.SIGINT)
+        print(f"stopped by {signal.Signals(signum).name} (a second signal, before the checkpoint); continue from the "
+              f"newest checkpoint with: {resume_command(args)}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum) from None
     finally:
         for s, h in previous.items():
             signal.signal(s, h)

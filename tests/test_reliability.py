@@ -176,14 +176,28 @@ def test_a_signal_saves_a_checkpoint_prints_one_resume_line_and_exits_128_plus_t
 
 
 # a training process that sends itself ``signum`` from inside a function of the product: at the start of the model
-# build ("build"), at the start of the final save ("final"), or there and again once the final save has written
-# the new checkpoint's model ("final-twice"); argv: phase, signal number, total steps, then the train flags
+# build ("build"), at the start of the final save ("final"), there and again once the final save has written the
+# new checkpoint's model ("final-twice"), or during training and again as the first one's stop is asked
+# ("learn-twice"); argv: phase, signal number, total steps, then the train flags
 _SIGNAL_FROM_INSIDE = """
 import os, sys
 import rlseq.checkpoint as C, rlseq.train as T
 
 phase, signum, total, argv = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4:]
 build, save, rng_state = T.build_model, C.save_checkpoint, C.rng_state
+if phase == "learn-twice":
+    request_stop, on_step = C.CheckpointCallback.request_stop, C.CheckpointCallback._on_step
+
+    def twice(self, signum):
+        request_stop(self, signum)
+        os.kill(os.getpid(), signum)
+
+    def signalling_step(self):
+        if self.num_timesteps >= 20 and not self._stop_asked:
+            os.kill(os.getpid(), signum)
+        return on_step(self)
+
+    C.CheckpointCallback.request_stop, C.CheckpointCallback._on_step = twice, signalling_step
 
 
 def signalling_build(*args, **kwargs):
@@ -243,6 +257,15 @@ def test_a_signal_in_the_final_save_lets_it_complete_then_exits_128_plus_it_with
     ckpt = _folder(tmp_path) / "checkpoints"
     assert _checkpoints(tmp_path) == ["step16", "step32"] and resumable_checkpoint(ckpt) == (ckpt / "step32", [])
     assert not list(_folder(tmp_path).glob(".*tmp*")) and not list((_folder(tmp_path) / "checkpoints").glob(".*"))
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_second_signal_while_training_exits_128_plus_it_with_one_line(signum, tmp_path):
+    code, err, argv = _signalled_run(tmp_path, "learn-twice", signum)
+    assert code == 128 + signum, err
+    assert err[-1] == (f"stopped by {signal.Signals(signum).name} (a second signal, before the checkpoint); continue "
+                       "from the newest checkpoint with: " + shlex.join(["python", "-m", "rlseq.train", *argv, "--resume"]))
+    assert not (_folder(tmp_path) / "final_model.zip").exists()
 
 
 def test_a_second_signal_aborts_the_final_save_and_names_the_intact_checkpoint_a_resume_continues_from(tmp_path):
