@@ -25,6 +25,9 @@ README = ROOT / "README.md"
 # enough steps for a POPGym episode to end (rlseq.compare reads the episode returns)
 TINY_TRAIN = ["--total-steps", "512", "--n-envs", "2", "--n-steps", "64", "--n-minibatches", "1",
               "--checkpoint-every", "256"]
+# procgen's IMPALA CNN (in bf16 autocast under --fast) is slow on a CPU: two rollouts of 2 envs x 8 steps, one epoch
+TINY_PROCGEN_TRAIN = ["--total-steps", "32", "--n-envs", "2", "--n-steps", "8", "--n-minibatches", "1", "--n-epochs", "1",
+                      "--checkpoint-every", "16"]
 TINY_BENCH_MEMORY = ["--steps", "64", "--n-envs", "2", "--n-steps", "16", "--n-minibatches", "1", "--episodes", "2",
                      "--jobs", "2"]
 # (pattern on the command, what to do): a reason string skips it, a list is appended to it
@@ -33,6 +36,7 @@ RULES: list[tuple[str, str | list[str]]] = [
     (r"-m pytest", "the test run itself"),
     (r"^tensorboard ", "a server"),
     (r"^ray start ", "a node of a Ray cluster (tests/test_ray_cluster.py starts a real one)"),
+    (r"-m rlseq\.train --env caveflyer ", TINY_PROCGEN_TRAIN),
     (r"-m rlseq\.train ", TINY_TRAIN),
     (r"-m rlseq\.bench memory --report-only", []),
     (r"-m rlseq\.bench memory --quick", TINY_BENCH_MEMORY),
@@ -40,8 +44,8 @@ RULES: list[tuple[str, str | list[str]]] = [
                                                      "sb3-lstm", "--seeds", "0", "--out", "runs/tiny_grid"]),
     (r"-m rlseq\.bench kernels", ["--shapes", "1,20,1,8", "--repeats", "1"]),
     (r"-m rlseq\.bench envs", ["--n-envs", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]),
-    (r"-m rlseq\.bench train", ["--n-envs", "2", "--n-steps", "16", "--n-minibatches", "1", "--warmup", "1",
-                                "--rollouts", "1"]),
+    (r"-m rlseq\.bench train", ["--n-envs", "2", "--n-steps", "8", "--n-minibatches", "1", "--n-epochs", "1",
+                                "--warmup", "1", "--rollouts", "1"]),
     (r"-m rlseq\.compare ", []),
     (r"-m rlseq\.evaluate ", ["--episodes", "2"]),
     (r"-m rlseq\.sweep .*--dry-run", []),
@@ -89,9 +93,16 @@ def steps() -> list[tuple[str, str]]:
     return out
 
 
+# (pattern, replacement) of a snippet's budget: one rollout of 4 steps per env (its env count as written), and a
+# minibatch no larger than that rollout (8 envs x 4 steps)
+SNIPPET_BUDGET = [(r"\.learn\([\d_]+\)", ".learn(1)"), (r"\bn_steps=\d+", "n_steps=4"), (r"\bbatch_size=\d+", "batch_size=32")]
+
+
 def shrink_snippet(code: str) -> str:
-    """A README snippet with its training budget cut to one rollout."""
-    return re.sub(r"\.learn\([\d_]+\)", ".learn(1)", code)
+    """A README snippet with its training budget cut to one short rollout."""
+    for pattern, tiny in SNIPPET_BUDGET:
+        code = re.sub(pattern, tiny, code)
+    return code
 
 
 @pytest.fixture(scope="module")
