@@ -134,9 +134,9 @@ def test_hand_written_notes_are_appended_and_the_terminal_table_matches_the_repo
     out = tmp_path / "memory_benchmark"
     _synthetic(out)
     (out / R.NOTES).write_text("## Reading the table\n\nEFLA is below the anchor on T2 because ...\n")
-    text = R.write_report(out).read_text()
+    text = R.write_report(out, reps=100).read_text()  # what is checked here does not depend on the resamples
     assert text.rstrip().endswith("## Reading the table\n\nEFLA is below the anchor on T2 because ...")
-    table = R.returns_table(out)
+    table = R.returns_table(out, reps=100)
     assert table.splitlines()[0] == "| task | random | efla | none | sb3-lstm |"
     assert table in text
 

@@ -39,8 +39,8 @@ def _env(**extra: str) -> dict[str, str]:
     return dict(os.environ, PYTHONPATH=path, **extra)
 
 
-def _sweep_file(tmp_path: Path, **flags) -> Path:
-    spec = {"logdir": str(tmp_path / "runs"), "envs": [POPGYM], "memories": ["efla", "none"], "seeds": [0, 1],
+def _sweep_file(tmp_path: Path, seeds: tuple[int, ...] = (0, 1), **flags) -> Path:
+    spec = {"logdir": str(tmp_path / "runs"), "envs": [POPGYM], "memories": ["efla", "none"], "seeds": list(seeds),
             "conditions": {"tiny": {}}, "flags": {"total_steps": 128, "checkpoint_every": 32, **TINY, **flags}}
     path = tmp_path / "tiny.yml"
     path.write_text(yaml.safe_dump(spec))
@@ -190,7 +190,8 @@ def two_nodes():
 
 
 def test_a_sweep_over_two_nodes_survives_losing_one(two_nodes, tmp_path):
-    path = _sweep_file(tmp_path)
+    # one run per node: the worker's run dies with its node and resumes on the head after the head's run
+    path = _sweep_file(tmp_path, seeds=(0,))
     runs = tmp_path / "runs" / POPGYM
     sweep = subprocess.Popen([sys.executable, "-m", "rlseq.sweep", str(path), "--address", two_nodes["address"],
                               "--threads-per-run", "1", "--no-progress"],
@@ -214,9 +215,9 @@ def test_a_sweep_over_two_nodes_survives_losing_one(two_nodes, tmp_path):
             sweep.kill()
             sweep.wait()
     assert sweep.returncode == 0, out[-4000:]
-    assert "4 runs, 0 finished already, 4 to run on 2 slots" in out and "4 finished, 0 failed" in out
+    assert "2 runs, 0 finished already, 2 to run on 2 slots" in out and "2 finished, 0 failed" in out
     status = {r["name"]: r for r in json.loads((tmp_path / "runs" / "sweep-tiny.json").read_text())["runs"]}
-    assert sorted(status) == sorted(f"{POPGYM}/{m}-tiny/seed{s}" for m in ("efla", "none") for s in (0, 1))
+    assert sorted(status) == sorted(f"{POPGYM}/{m}-tiny/seed0" for m in ("efla", "none"))
     from rlseq.algos import MemoryPPO
 
     for name, row in status.items():

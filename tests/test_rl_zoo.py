@@ -65,7 +65,7 @@ def test_the_sampler_keeps_the_memory_and_the_sequence_length_of_the_file():
 
 @pytest.mark.slow
 def test_rl_zoo_trains_recurrent_ppo_with_the_efla_policy_from_the_file(tmp_path):
-    proc = _zoo(tmp_path, "--eval-freq", "-1")
+    proc = _zoo(tmp_path, "--eval-freq", "-1", "-params", "n_epochs:1")  # one epoch: the rollout's size is checked
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     from sb3_contrib import RecurrentPPO
 
@@ -81,8 +81,10 @@ def test_rl_zoo_trains_recurrent_ppo_with_the_efla_policy_from_the_file(tmp_path
 @pytest.mark.slow
 def test_two_optuna_trials_complete_into_a_journal_file(tmp_path):
     journal = tmp_path / "study.log"  # on shared storage, several machines tune one study with this file
+    # each trial: one rollout of 2 envs x 32 steps in one minibatch (the sampler leaves these three as given)
     proc = _zoo(tmp_path, "-optimize", "--n-trials", "2", "--n-jobs", "1", "--sampler", "random", "--pruner", "none",
-                "--n-evaluations", "1", "--eval-episodes", "2", "--storage", str(journal), "--study-name", "rs")
+                "--n-evaluations", "1", "--eval-episodes", "2", "--storage", str(journal), "--study-name", "rs",
+                "-n", "64", "-params", "n_envs:2", "n_steps:32", "batch_size:64")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(journal)))
     trials = optuna.load_study(study_name="rs", storage=storage).trials
