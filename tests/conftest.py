@@ -11,6 +11,9 @@ tests/test_triton.py skips, with its reason, on a host without one).
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tests' tensors are tiny: a second intra-op thread only adds synchronisation (about 3x slower on a 2-core
+# machine, worse on a busy one). Set before torch starts; the training processes the tests start inherit it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 import pytest  # noqa: E402
