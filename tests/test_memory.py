@@ -506,3 +506,19 @@ def test_import_is_light():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("name", ["efla", "deltanet"])
+def test_memory_layers_skip_the_beta_check_their_sigmoid_makes_redundant(name, monkeypatch):
+    """β is a sigmoid (≥ 0 by construction); the kernels' check of it is a host sync on CUDA that would stall every
+    eager training step, so the layers' training, acting and diagnostics calls skip it."""
+    import rlseq.kernels.api as api
+
+    monkeypatch.setattr(api, "_check_beta", lambda beta: pytest.fail("the beta check ran inside a memory layer"))
+    m = _memory(name)
+    x, resets = _sequence(3, 7)
+    out, state = m(x, m.initial_state(3, "cpu"), resets)
+    m.step(x[:, 0], state, resets[:, 0])
+    m.diagnostics(x, m.initial_state(3, "cpu"), resets)
+    with pytest.raises(pytest.fail.Exception, match="the beta check ran"):  # the public API still checks
+        api.chunk_rule(*(torch.rand(1, 2, 1, 4) for _ in range(3)), torch.rand(1, 2, 1), rule=name)

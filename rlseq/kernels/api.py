@@ -89,6 +89,7 @@ def chunk_rule(
     resets: torch.Tensor | None = None,
     backend: str | None = None,
     chunk_size: int | None = None,
+    check_beta: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run a delta rule over whole sequences.
 
@@ -105,6 +106,8 @@ def chunk_rule(
             CPU default), ``"triton"`` (the CUDA default), or None for the best available.
         chunk_size: chunk length (default 16). The ``"torch"`` backend takes any length ≥ 1; the ``"triton"``
             backend runs chunks of 16 only and refuses any other value; ``"reference"`` has no chunks and ignores it.
+        check_beta: refuse ``beta < 0``. On CUDA the check reads one flag back (a host sync, which stalls eager
+            training); pass False where β is ≥ 0 by construction (a sigmoid), as rlseq's memory layers do.
 
     Returns:
         ``o [B, T, H, V]`` in the input dtype, with ``o_t = S_tᵀ q_t`` after the update at t, and the final
@@ -133,7 +136,8 @@ def chunk_rule(
     if backend == "triton" and chunk_size not in (None, TRITON_CHUNK):
         raise ValueError(f"the triton backend runs chunks of {TRITON_CHUNK} only, got chunk_size={chunk_size}; "
                          f"pass None (or {TRITON_CHUNK}), or use backend='torch' for other chunk lengths")
-    _check_beta(beta)
+    if check_beta:
+        _check_beta(beta)
     if initial_state is not None and resets is not None:
         # where, not a product: the state of a sequence that starts an episode at t = 0 is ignored, NaN or not
         initial_state = initial_state.masked_fill(resets[:, :1, None, None], 0.0)
@@ -161,6 +165,7 @@ def step_rule(
     rule: str,
     resets: torch.Tensor | None = None,
     backend: str | None = None,
+    check_beta: bool = True,
 ) -> torch.Tensor:
     """One step of a delta rule for acting; updates ``state`` in place.
 
@@ -168,6 +173,7 @@ def step_rule(
         q, k: ``[B, H, K]``; v: ``[B, H, V]``; beta: ``[B, H]``, ``≥ 0`` (negative values raise).
         state: ``[B, H, K, V]`` float32 (or float64), updated in place.
         resets: ``[B]`` bool; True zeroes that state before the step.
+        check_beta: refuse ``beta < 0`` (a host sync on CUDA), as in :func:`chunk_rule`.
 
     Returns:
         ``o [B, H, V]`` in the dtype of q, read out after the update. Matches :func:`chunk_rule` applied
@@ -186,7 +192,8 @@ def step_rule(
     if resets is not None:
         _check_resets(resets, (B,), q)
     backend = _pick_backend(backend, q.device)
-    _check_beta(beta)
+    if check_beta:
+        _check_beta(beta)
     if q.numel() == 0 or v.numel() == 0:
         backend = "reference"
 

@@ -260,6 +260,7 @@ class _DeltaRuleMemory(Memory):
         return k_raw
 
     def _beta(self, logit: torch.Tensor) -> torch.Tensor:
+        # ≥ 0 by construction: the kernels' β check (a host sync on CUDA) is skipped for it
         return torch.sigmoid(logit)
 
     # -- shared ------------------------------------------------------------------------------------------
@@ -283,7 +284,7 @@ class _DeltaRuleMemory(Memory):
         matrix, window = self.state_parts(state)
         q, k, v, beta, new_window = self._sequence_inputs(h, window, resets)
         o, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=matrix, resets=resets,
-                              backend=self.backend, chunk_size=self.chunk_size)
+                              backend=self.backend, chunk_size=self.chunk_size, check_beta=False)
         final_state = torch.cat([final.flatten(1), new_window.flatten(1).to(final.dtype)], dim=1)
         return self.out_proj(o.to(h.dtype).flatten(-2)), final_state
 
@@ -292,7 +293,7 @@ class _DeltaRuleMemory(Memory):
         # the matrix view is taken after the window's in-place update: under autograd that update gives the state
         # a new version, which an older view may not be written through
         matrix = self.state_parts(state)[0]
-        o = step_rule(q, k, v, beta, matrix, rule=self.rule, resets=resets, backend=self.backend)
+        o = step_rule(q, k, v, beta, matrix, rule=self.rule, resets=resets, backend=self.backend, check_beta=False)
         return self.out_proj(o.to(h.dtype).flatten(-2))
 
     @torch.no_grad()
@@ -310,7 +311,7 @@ class _DeltaRuleMemory(Memory):
         # 1 − (the transition's non-unit eigenvalue), from the rule's single definition in rlseq.kernels
         _, gate, _ = unit_key_scales(k.float(), beta.float(), self.rule)
         _, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=matrix, resets=resets,
-                              backend=self.backend, chunk_size=self.chunk_size)
+                              backend=self.backend, chunk_size=self.chunk_size, check_beta=False)
         k_raw = qkv.split(self._split, dim=-1)[1].reshape(*qkv.shape[:-1], self.n_heads, self.head_dim)
         knorm = k_raw.float().norm(dim=-1)
         snorm = final.flatten(2).norm(dim=-1)
