@@ -600,6 +600,10 @@ def _on_end(ray: Any, run: Run, ref: Any, bar: Any, *, stopping: bool) -> None:
         run.seconds = time.time() - run.started if run.started else None
     else:
         run.state, run.returncode, run.log_tail = out["state"], out["returncode"], out["log_tail"]
+        if run.state == "finished" and run.attempts:
+            # this sweep's trainer finished the run, and its node was lost before the task reported: Ray
+            # rescheduled the task, which found the final model (written only after a successful end)
+            run.state, run.returncode = "done", 0
         run.started = run.started or out["started"]
         run.seconds, run.node, run.gpu = out["ended"] - run.started, out["node"], out["gpu"]
     if run.state == "pending":

@@ -190,8 +190,10 @@ def two_nodes():
 
 
 def test_a_sweep_over_two_nodes_survives_losing_one(two_nodes, tmp_path):
-    # one run per node: the worker's run dies with its node and resumes on the head after the head's run
-    path = _sweep_file(tmp_path, seeds=(0,))
+    # one run per node: the worker's run dies with its node and resumes on the head after the head's run; a budget
+    # long past the first checkpoint, so that the victim cannot finish between being found and the kill
+    steps = 1024
+    path = _sweep_file(tmp_path, seeds=(0,), total_steps=steps)
     runs = tmp_path / "runs" / POPGYM
     sweep = subprocess.Popen([sys.executable, "-m", "rlseq.sweep", str(path), "--address", two_nodes["address"],
                               "--threads-per-run", "1", "--no-progress"],
@@ -223,9 +225,9 @@ def test_a_sweep_over_two_nodes_survives_losing_one(two_nodes, tmp_path):
     for name, row in status.items():
         folder = Path(row["folder"])
         log = (folder / "train.log").read_text()
-        assert row["state"] == "done" and row["returncode"] == 0 and row["steps"] == 128, row
-        assert log.count("done: 128 env steps") == 1, f"{name} finished {log.count('done: 128 env steps')} times"
-        assert MemoryPPO.load(folder / "final_model.zip", device="cpu").num_timesteps == 128
+        assert row["state"] == "done" and row["returncode"] == 0 and row["steps"] == steps, row
+        assert log.count(f"done: {steps:,} env steps") == 1, f"{name} finished {log.count('done: ')} times"
+        assert MemoryPPO.load(folder / "final_model.zip", device="cpu").num_timesteps == steps
         if folder == victim:  # rescheduled on the head node, resumed from its checkpoint
             assert row["attempts"] == 2 and log.count("=== ") == 2, (row, log[-2000:])
             assert "resuming" in log and f"start  {name}" in out and "rescheduled" in out
