@@ -17,6 +17,7 @@ import pickle
 import random
 import shutil
 import signal
+import socket
 import time
 import zipfile
 from pathlib import Path
@@ -48,33 +49,46 @@ class RunFolderBusy(RuntimeError):
 
 
 @contextlib.contextmanager
-def run_folder_lock(folder: Path):
-    """Hold an exclusive lock on ``folder`` (a run folder) while the block runs.
+def folder_lock(folder: Path, name: str = LOCK_NAME):
+    """Try to hold an exclusive lock on ``folder/name`` while the block runs: yields None once it is held, or the
+    holder (``pid N on HOST``) when another process holds it (the block then runs without it).
 
-    Two processes training into one folder would interleave their checkpoints and event files, so the second
-    one fails at once with the first one's pid. The lock is ``flock`` on ``folder/.lock``: the kernel drops it
-    when the holder exits, however it exits (SIGKILL included), so a dead run never blocks its own resume.
-    On systems without ``fcntl`` (Windows) no lock is taken.
+    The lock is ``flock``: the kernel drops it when the holder exits, however it exits (SIGKILL included), so a
+    dead process never blocks a resume. The descriptor is not inherited by child processes. On systems without
+    ``fcntl`` (Windows) no lock is taken and None is yielded.
     """
     try:
         import fcntl
     except ImportError:  # pragma: no cover - not on POSIX
-        yield
+        yield None
         return
     folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(folder / name, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise RunFolderBusy(f"run folder {folder} is in use by another training process (pid {holder}); "
-                                "wait for it to end or stop it, then --resume") from None
+            yield os.pread(fd, 200, 0).decode(errors="replace").strip() or "an unknown process"
+            return
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        yield
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield None
     finally:
         os.close(fd)  # releases the lock
+
+
+@contextlib.contextmanager
+def run_folder_lock(folder: Path):
+    """Hold :func:`folder_lock` on a run folder while the block runs.
+
+    Two processes training into one folder would interleave their checkpoints and event files, so the second
+    one raises :class:`RunFolderBusy` at once, naming the first one.
+    """
+    with folder_lock(folder) as holder:
+        if holder is not None:
+            raise RunFolderBusy(f"run folder {folder} is in use by another training process ({holder}); "
+                                "wait for it to end or stop it, then --resume")
+        yield
 
 
 def rng_state() -> dict[str, Any]:

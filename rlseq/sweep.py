@@ -56,13 +56,11 @@ training elsewhere, 2 for a bad sweep file or flag.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import itertools
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -333,34 +331,7 @@ def _train_once(argv: list[str], env: dict[str, str], cwd: str | None, folder: P
     return proc.returncode, proc.returncode in STOPPED_BY
 
 
-SWEEP_LOCK_NAME = ".sweep.lock"
-
-
-@contextlib.contextmanager
-def _sweep_lock(folder: Path):
-    """Hold ``folder/.sweep.lock`` while a sweep's task works on the run; yields None, or the holder (``pid N on
-    HOST``) when another sweep's task holds it. A second sweep on the same tree thus leaves the run to the first
-    one instead of starting a trainer that would find the folder busy, or finished under its feet. The kernel
-    drops the lock when its holder dies, however it dies. On systems without ``fcntl`` no lock is taken."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - not on POSIX
-        yield None
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    fd = os.open(folder / SWEEP_LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by the trainer
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            holder = None
-        except BlockingIOError:
-            holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        if holder is None:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-        yield holder
-    finally:
-        os.close(fd)
+SWEEP_LOCK_NAME = ".sweep.lock"  # held by a sweep's task; a second sweep on the tree leaves the run alone
 
 
 def train_run(spec: dict[str, Any], board: Any) -> dict[str, Any]:
@@ -370,6 +341,7 @@ def train_run(spec: dict[str, Any], board: Any) -> dict[str, Any]:
     the same tree) is not retried. Returns ``{"state", "returncode", "started", "ended", ...}``."""
     import ray
 
+    from rlseq.checkpoint import folder_lock
     from rlseq.train import BUSY_EXIT
 
     gpus = [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
@@ -384,7 +356,7 @@ def train_run(spec: dict[str, Any], board: Any) -> dict[str, Any]:
                             "started": time.time()}
     started, rc, state, tail = info["started"], None, "failed", []
     try:
-        with _sweep_lock(folder) as holder:
+        with folder_lock(folder, SWEEP_LOCK_NAME) as holder:
             if holder is not None:  # another sweep on the same tree has it
                 state, tail = "elsewhere", [f"another sweep works on this run: {holder}"]
             for attempt in range(spec["retries"] + 1 if holder is None else 0):

@@ -118,7 +118,7 @@ def test_an_embedded_sweep_listens_on_loopback_only(tmp_path):
             time.sleep(0.2)
         assert lock.exists() and lock.read_text().strip(), "no trainer within 240 s"
         tree = _descendants(sweep.pid)
-        trainer = int(lock.read_text())
+        trainer = int(lock.read_text().split()[1])  # "pid N on HOST"
         assert trainer in tree, "the trainer is not a descendant of the sweep (its Ray is not embedded)"
         names = {_read(f"/proc/{p}/comm").decode().strip() for p in tree}
         assert {"gcs_server", "raylet"} <= names

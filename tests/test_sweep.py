@@ -291,7 +291,7 @@ def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
         while time.time() < deadline and not (lock.exists() and lock.read_text().strip()):  # its pid, once it trains
             time.sleep(0.05)
         assert lock.exists() and lock.read_text().strip(), "the training process did not start within 180 s"
-        pid = int(lock.read_text())
+        pid = int(lock.read_text().split()[1])  # "pid N on HOST"
         assert pid != sweep.pid and _alive(pid)
         sweep.kill()  # SIGKILL: the sweep cannot pass anything on
         sweep.wait()

@@ -650,7 +650,7 @@ def test_a_run_folder_in_use_is_refused_and_free_again_once_its_holder_ends(tmp_
             with pytest.raises(SystemExit) as e:
                 train_main(argv + extra)
             assert e.value.code == T.BUSY_EXIT == 75  # "try again later", told apart from a usage error (2)
-            assert f"run folder {folder} is in use by another training process (pid {os.getpid()})" in capsys.readouterr().err
+            assert f"run folder {folder} is in use by another training process (pid {os.getpid()} on {socket.gethostname()})" in capsys.readouterr().err
     for module in (T, R):
         monkeypatch.setattr(module, "make_env", build)
     train_main(argv)  # a folder holding only the released lock is a fresh run, not "exists; pass --resume"
