@@ -1,4 +1,14 @@
-"""Small gymnasium tasks that need memory: used by the tests and as examples.
+"""Gymnasium tasks that need memory: the memory benchmark's horizon sweep, and a small task for the tests.
+
+``rlseq/RepeatPreviousLag{L}-v0`` for L in :data:`HORIZON_LAGS` (1, 2, 4, ..., 64): POPGym's RepeatPrevious card
+game (two decks, 103 steps an episode) asking at every step for the suit of the card seen L steps before the
+current one. Each correct answer earns ``+1/(104 - (L+1))``, each wrong one the negative, so returns lie in [-1, 1]
+and uniformly random answers score -0.5 in expectation; the first L steps of an episode are not scored. A
+memory that holds a card for L steps scores 1; one that does not scores -0.5. Sweeping L measures how far back a
+memory remembers (the benchmark's horizon curve); the block's front end sees lags below its convolution width
+(L <= 3 at width 4) without any memory. POPGym's own ``k`` counts the current card as ``k = 1``: lag L is
+``k = L + 1`` (POPGym's RepeatPreviousEasy, ``k = 4``, is lag 3). These ids run with POPGym's hyperparameters
+(``configs/popgym.yml``).
 
 :class:`CueRecallEnv` ("rlseq/CueRecall-v0"): a cue is shown at t = 0 only; ``delay`` blank steps later a query
 flag appears and the agent must name the cue. A memoryless policy sees the same query observation whatever the
@@ -13,7 +23,28 @@ import gymnasium as gym
 import numpy as np
 from gymnasium import spaces
 
-__all__ = ["CueRecallEnv", "chance_return"]
+__all__ = ["HORIZON_LAGS", "CueRecallEnv", "chance_return", "horizon_task", "horizon_lag"]
+
+#: lags of the horizon sweep, steps back
+HORIZON_LAGS = (1, 2, 4, 8, 16, 32, 64)
+_HORIZON_PREFIX, _HORIZON_SUFFIX = "rlseq/RepeatPreviousLag", "-v0"
+_HORIZON_DECKS = 2  # 104 cards: room for lag 64 with 39 scored steps
+
+
+def horizon_task(lag: int) -> str:
+    """The gymnasium id of the horizon task at ``lag`` steps back (one of :data:`HORIZON_LAGS`)."""
+    if lag not in HORIZON_LAGS:
+        raise ValueError(f"no horizon task at lag {lag!r}; lags: {', '.join(map(str, HORIZON_LAGS))}")
+    return f"{_HORIZON_PREFIX}{lag}{_HORIZON_SUFFIX}"
+
+
+def horizon_lag(task: str) -> int | None:
+    """The lag of a horizon task id, or None for any other id (no import of gymnasium's registry)."""
+    if task.startswith(_HORIZON_PREFIX) and task.endswith(_HORIZON_SUFFIX):
+        digits = task[len(_HORIZON_PREFIX) : -len(_HORIZON_SUFFIX)]
+        if digits.isdigit():
+            return int(digits)
+    return None
 
 
 class CueRecallEnv(gym.Env):
@@ -73,3 +104,8 @@ def chance_return(n_cues: int = 2) -> float:
 
 if "rlseq/CueRecall-v0" not in gym.registry:
     gym.register("rlseq/CueRecall-v0", entry_point=CueRecallEnv)
+for _lag in HORIZON_LAGS:
+    if horizon_task(_lag) not in gym.registry:
+        # POPGym counts the current card as k = 1 (see the module docstring); imported lazily by gymnasium
+        gym.register(horizon_task(_lag), entry_point="popgym.envs.repeat_previous:RepeatPrevious",
+                     kwargs={"num_decks": _HORIZON_DECKS, "k": _lag + 1})

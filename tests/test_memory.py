@@ -67,8 +67,11 @@ def _triton_ready() -> bool:
 
 # (memory, backend): every memory on the torch backend; the delta-rule memories also through the Triton kernels
 # (the LSTM and the identity call no kernel, so the backend does not apply to them).
-CONSISTENCY_CASES = [pytest.param(name, "torch", id=f"{name}-torch") for name in MEMORIES] + [
-    pytest.param(name, "triton", id=f"{name}-triton-interpret") for name in ("efla", "deltanet")
+CONSISTENCY_CASES = [pytest.param(name, "torch", {}, id=f"{name}-torch") for name in MEMORIES] + [
+    pytest.param(name, "triton", {}, id=f"{name}-triton-interpret") for name in ("efla", "deltanet")
+] + [  # the front end without a window (the controls) and a wider one
+    pytest.param(name, "torch", dict(conv_size=w), id=f"{name}-torch-conv{w}") for name, w in
+    (("none", 1), ("efla", 1), ("gru", 1), ("lstm", 6), ("deltanet", 2))
 ]
 
 
@@ -116,10 +119,11 @@ def test_interface_shapes(name):
     B, T = 3, 7
     s = m.initial_state(B, "cpu")
     assert s.dtype == torch.float32 and s.shape[0] == B and not s.any()
-    conv_window = lambda H, K, V: 3 * H * (2 * K + V)  # noqa: E731  (W - 1) * C at the default width 4
-    expected = {"efla": (2 * 16 * 16 + conv_window(2, 16, 16),), "deltanet": (2 * 16 * 8 + conv_window(2, 16, 8),),
-                "gru": (1, 2, 12), "lstm": (2, 2, 20), "none": (0,)}[name]
-    assert tuple(s.shape[1:]) == expected
+    window = 3 * m.d_model  # (W - 1) * d at the default width 4: every memory's front end
+    expected = {"efla": 2 * 16 * 16, "deltanet": 2 * 16 * 8, "gru": 1 * 2 * 12, "lstm": 2 * 2 * 20, "none": 0}[name]
+    assert tuple(s.shape[1:]) == (expected + window,)
+    core, win = m.state_parts(s)
+    assert core.shape[1:] == m.core_state_shape and win.shape == (B, 3, m.d_model)
     x, r = _sequence(B, T)
     y, final = m(x, s, r)
     assert y.shape == (B, T, m.out_features) and final.shape == s.shape and final.dtype == torch.float32
@@ -139,7 +143,10 @@ def test_width_does_not_depend_on_the_input():
 
 
 def _core_parameters(m: Memory) -> int:
-    return sum(p.numel() for n, p in m.named_parameters() if not n.startswith(("in_proj.", "norm.")))
+    return sum(p.numel() for n, p in m.named_parameters() if not n.startswith(SHARED))
+
+
+SHARED = ("in_proj.", "conv.", "conv_norm.", "norm.")  # the block's parameters, the front end included
 
 
 @pytest.mark.parametrize("d_model", [64, 128, 256])
@@ -148,7 +155,7 @@ def test_parameter_counts_are_matched(d_model):
     counts = {name: _core_parameters(make_memory(name, 17, d_model=d_model)) for name in MEMORIES if name != "none"}
     assert max(counts.values()) <= 1.25 * min(counts.values()), counts
     shared = {name: sum(p.numel() for n, p in make_memory(name, 17, d_model=d_model).named_parameters()
-                        if n.startswith(("in_proj.", "norm."))) for name in MEMORIES}
+                        if n.startswith(SHARED)) for name in MEMORIES}
     assert len(set(shared.values())) == 1, shared
     assert _core_parameters(make_memory("none", 17, d_model=d_model)) == 0
 
@@ -158,6 +165,9 @@ def test_make_memory_errors():
         make_memory("transformer", 4)
     with pytest.raises(TypeError, match="GRUMemory"):
         make_memory("gru", 4, n_heads=2)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="conv_size must be an integer >= 1"):
+            make_memory("none", 4, conv_size=bad)
 
 
 @pytest.mark.parametrize("name", MEMORIES)
@@ -182,12 +192,13 @@ def test_forward_leaves_state_alone_and_is_differentiable(name):
 # -- acting == training --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("name", "backend"), CONSISTENCY_CASES)
-def test_step_matches_forward(name, backend):
+@pytest.mark.parametrize(("name", "backend", "kw"), CONSISTENCY_CASES)
+def test_step_matches_forward(name, backend, kw):
     """Step-by-step acting and whole-sequence training give the same outputs and final state (fp32, 1e-5)."""
     if backend == "triton":
         assert _triton_ready(), "the Triton kernels must run here under TRITON_INTERPRET=1 (tests/conftest.py sets it)"
-    m = _memory(name, backend)
+    m = _memory(name, backend, **kw)
+    assert m.conv.kernel_size == kw.get("conv_size", 4)
     B, T = 3, 70 if backend == "torch" else 37  # crosses the chunk boundaries (torch 64, triton ≤ 64)
     x, r = _sequence(B, T, scale=3.0)
     s0 = _random_state(m, B)
@@ -202,7 +213,7 @@ def test_step_matches_forward(name, backend):
 
 def _conv_loop(conv: ShortConv, x: torch.Tensor, window: torch.Tensor, resets: torch.Tensor):
     """float64 oracle: keep a list of the last W-1 inputs, empty it at every episode start, and evaluate the
-    definition ``silu(b + Σ_j w[:, j] x[t - (W-1) + j])`` one step at a time."""
+    definition ``σ(b + Σ_j w[:, j] x[t - (W-1) + j])`` one step at a time (σ: SiLU or the identity)."""
     W = conv.kernel_size
     w, b = conv.weight.double(), conv.bias.double()
     B, T, C = x.shape
@@ -214,7 +225,8 @@ def _conv_loop(conv: ShortConv, x: torch.Tensor, window: torch.Tensor, resets: t
             if resets[i, t]:
                 past = [torch.zeros(C, dtype=torch.float64) for _ in range(W - 1)]
             taps = past + [x[i, t].double()]
-            out.append(torch.nn.functional.silu(b + sum(w[:, j] * taps[j] for j in range(W))))
+            pre = b + sum(w[:, j] * taps[j] for j in range(W))
+            out.append(torch.nn.functional.silu(pre) if conv.activation else pre)
             past = taps[1:]
         ys.append(torch.stack(out))
         windows.append(torch.stack(past) if W > 1 else torch.zeros(0, C, dtype=torch.float64))
@@ -222,12 +234,12 @@ def _conv_loop(conv: ShortConv, x: torch.Tensor, window: torch.Tensor, resets: t
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 5])
-@pytest.mark.parametrize("seed", [0, 1])
-def test_short_conv_matches_loop_with_resets(width, seed):
+@pytest.mark.parametrize(("seed", "activation"), [(0, True), (1, True), (2, False)])
+def test_short_conv_matches_loop_with_resets(width, seed, activation):
     """Chunk form and step form of the convolution against the float64 loop: outputs, final windows and the
     gradients of a loss of both with respect to the inputs, the entering window, the weights and the bias."""
     torch.manual_seed(seed)
-    conv = ShortConv(6, width)
+    conv = ShortConv(6, width, activation=activation)
     B, T = 4, 19
     x, _ = _sequence(B, T, seed=seed + 5)
     x = x[..., :6].clone().requires_grad_(True)
@@ -258,24 +270,30 @@ def test_short_conv_matches_loop_with_resets(width, seed):
 # -- the delta-rule block against a float64 loop ------------------------------------------------------------
 
 
+def _front_loop(m64, x: torch.Tensor, window: torch.Tensor, resets: torch.Tensor):
+    """float64 oracle of the shared front end: ``u = LayerNorm(silu(conv(LayerNorm(W_in x))))`` from the
+    convolution's definition; returns ``(h, u, final window)``."""
+    h = m64.in_proj(x.double())
+    c, final_window = _conv_loop(m64.conv, h, window, resets)
+    return h, m64.conv_norm(c), final_window
+
+
 def _delta_block_loop(m64, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 oracle of the whole block (``m64``: a float64 copy of the module): the convolution from its
+    """float64 oracle of the whole block (``m64``: a float64 copy of the module): the front end from its
     definition, the rule from rlseq.kernels' step-by-step reference, and an explicit zeroing of matrix and
     window at every episode start."""
     B, T, _ = x.shape
-    H, K, V, W = m64.n_heads, m64.head_dim, m64.value_dim, m64.conv.kernel_size
-    flat = state.double()  # layout from the docs: the matrix [H, K, V] first, then the window [W-1, C]
+    H, K, V, W, d = m64.n_heads, m64.head_dim, m64.value_dim, m64.conv.kernel_size, m64.d_model
+    flat = state.double()  # layout from the docs: the matrix [H, K, V] first, then the window [W-1, d]
     matrix = flat[:, : H * K * V].reshape(B, H, K, V).clone()
-    window = flat[:, H * K * V :].reshape(B, W - 1, H * (2 * K + V)).clone()
-    h = m64.in_proj(x.double())
-    qkv = m64.qkv(h)
-    conv_out, _ = _conv_loop(m64.conv, qkv, window, resets)
+    window = flat[:, H * K * V :].reshape(B, W - 1, d).clone()
+    h, u, final_window = _front_loop(m64, x, window, resets)
     # the heads from their definition: channels [q | k | v], head-major; unit queries; DeltaNet's unit keys;
-    # β = sigmoid(w_β · h + b_β). (Keys whose SiLU underflows in fp32 are the case the norm floor decides.)
-    H, K, V = m64.n_heads, m64.head_dim, m64.value_dim
-    q = conv_out[..., : H * K].reshape(B, T, H, K)
-    k = conv_out[..., H * K : 2 * H * K].reshape(B, T, H, K)
-    v = conv_out[..., 2 * H * K :].reshape(B, T, H, V)
+    # β = sigmoid(w_β · h + b_β), h before the convolution; q, k, v = silu(W_qkv u)
+    qkv = torch.nn.functional.silu(m64.qkv(u))
+    q = qkv[..., : H * K].reshape(B, T, H, K)
+    k = qkv[..., H * K : 2 * H * K].reshape(B, T, H, K)
+    v = qkv[..., 2 * H * K :].reshape(B, T, H, V)
     q = q / q.norm(dim=-1, keepdim=True).clamp_min(1e-6)  # a norm floor of 1e-6, as the block defines it
     if m64.rule == "deltanet":
         k = k / k.norm(dim=-1, keepdim=True).clamp_min(1e-6)
@@ -286,8 +304,7 @@ def _delta_block_loop(m64, x: torch.Tensor, state: torch.Tensor, resets: torch.T
         o, matrix = naive_step(q[:, t], k[:, t], v[:, t], beta[:, t], matrix, m64.rule)
         outs.append(o)
     o = torch.stack(outs, 1)
-    y = m64.norm(h + m64.out_proj(o.flatten(-2)))
-    _, final_window = _conv_loop(m64.conv, qkv, window, resets)
+    y = m64.norm(u + m64.out_proj(o.flatten(-2)))
     return y, torch.cat([matrix.flatten(1), final_window.flatten(1)], 1)
 
 
@@ -324,8 +341,8 @@ def test_delta_block_matches_float64_loop(rule, H, K, V, W, T, key_scale):
     matrix, window = final[:, :HKV], final[:, HKV:]
     matrix_ref, window_ref = final_ref[:, :HKV], final_ref[:, HKV:]
     torch.testing.assert_close(matrix.double(), matrix_ref, **tol)
-    # the window holds raw projections: fp32 rounds a dot product with weights × key_scale to key_scale × 1e-7
-    torch.testing.assert_close(window.double(), window_ref, atol=2e-4 * max(1.0, key_scale), rtol=2e-4)
+    # the window holds the normalised block inputs, whatever the key scale
+    torch.testing.assert_close(window.double(), window_ref, atol=1e-5, rtol=1e-5)
     probe = torch.randn_like(y_ref)
     params = [p for p in m.parameters()]
     grads = torch.autograd.grad((y * probe).sum(), params)
@@ -338,18 +355,22 @@ def test_delta_block_matches_float64_loop(rule, H, K, V, W, T, key_scale):
 
 def _rnn_loop(m, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor):
     """sb3-contrib's semantics in the block: a per-step loop over the RNN that zeroes its state where an episode
-    starts (the block's input projection and output are those of the module)."""
-    h_in = m.in_proj(x)
+    starts (the block's front end from its definition, the output those of the module)."""
+    core, window = m.state_parts(state)
+    c, final_window = _conv_loop(m.conv, m.in_proj(x), window, resets)
+    u, final_window = m.conv_norm(c.float()), final_window.float()
     # the documented layout: [B, P, L, hidden] with h at part 0 and (LSTM) c at part 1
-    parts = [state[:, i].transpose(0, 1) for i in range(state.shape[1])]
+    parts = [core[:, i].transpose(0, 1) for i in range(core.shape[1])]
     ys = []
     for t in range(x.shape[1]):
         keep = (~resets[:, t]).float().view(1, -1, 1)
         parts = [p * keep for p in parts]
-        y, final = m.rnn(h_in[:, t : t + 1], tuple(parts) if len(parts) == 2 else parts[0])
+        y, final = m.rnn(u[:, t : t + 1], tuple(parts) if len(parts) == 2 else parts[0])
         parts = list(final) if isinstance(final, tuple) else [final]
         ys.append(y)
-    return m.norm(h_in + m.out_proj(torch.cat(ys, 1))), torch.stack(parts, 0).permute(2, 0, 1, 3)
+    final_core = torch.stack(parts, 0).permute(2, 0, 1, 3)
+    B = x.shape[0]
+    return m.norm(u + m.out_proj(torch.cat(ys, 1))), torch.cat([final_core.reshape(B, -1), final_window.reshape(B, -1)], 1)
 
 
 @pytest.mark.parametrize("name", ["gru", "lstm"])
@@ -405,7 +426,8 @@ def test_deltanet_negative_eigenvalues():
     torch.testing.assert_close(d["gate_mean"], torch.tensor(0.5), atol=0.15, rtol=0)  # starts at β = 0.5 too
     with torch.no_grad():
         m.beta_proj.bias.fill_(5.0)
-    beta = m._heads(m.qkv(m.in_proj(x)), m.in_proj(x))[-1]
+    h, u, _ = m.front(x, m.state_parts(m.initial_state(2))[1], r)
+    beta = m._heads(u, h)[-1]
     assert beta.max() > 1 and beta.max() < 2
     y_act, _ = _act(m, x, m.initial_state(2, "cpu"), r)
     y, _ = m(x, m.initial_state(2, "cpu"), r)
@@ -429,14 +451,17 @@ def test_efla_and_deltanet_start_with_matched_gates(input_scale, seed):
 
 
 def test_none_is_the_block_without_the_read():
-    """The control is the same block with the memory read removed: same input projection and output norm."""
+    """The control is the same block with the memory read removed: same front end and output norm, and the same
+    window in its state."""
     torch.manual_seed(0)
     efla = make_memory("efla", F_IN)
     none = make_memory("none", F_IN)
-    none.load_state_dict({k: v for k, v in efla.state_dict().items() if k.startswith(("in_proj.", "norm."))})
+    none.load_state_dict({k: v for k, v in efla.state_dict().items() if k.startswith(SHARED)})
     x, r = _sequence(2, 5)
-    y, _ = none(x, none.initial_state(2), r)
-    torch.testing.assert_close(y, efla.norm(efla.in_proj(x)))
+    y, final = none(x, none.initial_state(2), r)
+    _, u, window = efla.front(x, efla.state_parts(efla.initial_state(2))[1], r)
+    torch.testing.assert_close(y, efla.norm(u))
+    torch.testing.assert_close(final, window.flatten(1))
 
 
 # -- diagnostics and finiteness -------------------------------------------------------------------------------
@@ -461,15 +486,15 @@ def test_diagnostics(name):
         assert 0 <= d["gate_saturated_frac"] <= 1 and 0 < d["gate_mean"] < 1
         assert d["key_norm_max"] >= d["key_norm_mean"] > 0
         # the gate is 1 - exp(-β‖k‖²) of the raw (convolved) keys: recompute it
-        _, window = m.state_parts(_random_state(m, 3))
-        _, k, _, beta, _ = m._sequence_inputs(m.in_proj(x), window, r)
+        h, u, _ = m.front(x, m.state_parts(_random_state(m, 3))[1], r)
+        _, k, _, beta = m._heads(u, h)
         torch.testing.assert_close(d["gate_mean"], (1 - torch.exp(-beta * (k * k).sum(-1))).mean())
     if name == "deltanet":  # unit keys: the eigenvalue gate is β
-        _, window = m.state_parts(_random_state(m, 3))
-        torch.testing.assert_close(d["gate_mean"], m._sequence_inputs(m.in_proj(x), window, r)[3].mean())
+        h, u, _ = m.front(x, m.state_parts(_random_state(m, 3))[1], r)
+        torch.testing.assert_close(d["gate_mean"], m._heads(u, h)[3].mean())
 
 
-@pytest.mark.parametrize("name", ["efla", "deltanet", "gru", "lstm"])
+@pytest.mark.parametrize("name", MEMORIES)
 def test_check_finite(name):
     m = _memory(name)
     s = _random_state(m, 4)
@@ -482,10 +507,13 @@ def test_check_finite(name):
     assert isinstance(err.value, FloatingPointError)
     if name in ("efla", "deltanet"):
         assert "(2, 0)" in str(err.value)  # (batch, head)
-        s[:, -1] = float("nan")  # the convolution window's last entry
-        with pytest.raises(MemoryStateError, match=r"convolution window of batch \[0, 1, 2, 3\]"):
-            m.check_finite(s, "window")
-    make_memory("none", 3).check_finite(torch.zeros(2, 0), "empty")
+    if name in ("gru", "lstm"):
+        assert "(2, 0, 0)" in str(err.value)  # (batch, part, layer)
+    s = _random_state(m, 4)
+    s[1:3, -1] = float("nan")  # the convolution window's last entry: every memory has the window
+    with pytest.raises(MemoryStateError, match=r"convolution window of batch \[1, 2\]"):
+        m.check_finite(s, "window")
+    make_memory("none", 3, conv_size=1).check_finite(torch.zeros(2, 0), "empty")
 
 
 def test_efla_state_bounded_for_huge_inputs():

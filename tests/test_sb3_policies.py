@@ -142,8 +142,8 @@ def test_packed_state_round_trip(name, kw):
 def test_recurrent_ppo_sizes_buffers_from_the_packed_state():
     model = RecurrentPPO(EflaMlpPolicy, _cue_env(2), n_steps=8, batch_size=8, policy_kwargs=dict(memory_kwargs=SMALL["efla"]))
     assert isinstance(model.policy.memory_actor, EFLAMemory) and isinstance(model.policy.memory_critic, EFLAMemory)
-    (n,) = model.policy.memory_actor.state_shape  # the 2 x 8 x 8 matrix and the convolution window
-    assert n == 2 * 8 * 8 + 3 * 2 * (8 + 8 + 8)
+    (n,) = model.policy.memory_actor.state_shape  # the 2 x 8 x 8 matrix and the front end's window [3, d_model]
+    assert n == 2 * 8 * 8 + 3 * 16
     assert model.rollout_buffer.hidden_state_shape == (8, 1, 2, n // 2)
     assert model._last_lstm_states.pi[0].shape == (1, 2, n // 2)
     # no LSTM anywhere in the policy: the matrix memory replaces it
@@ -279,7 +279,8 @@ def test_cnn_policies_on_procgen(policy):
     model.learn(16)
     obs = env.reset()
     actions, state = model.predict(obs, deterministic=True)
-    assert actions.shape == (2,) and state[0].shape == (1, 2, (2 * 16 * 16 + 3 * 2 * 48) // 2)  # matrix + window
+    d = model.policy.memory_actor.d_model
+    assert actions.shape == (2,) and state[0].shape == (1, 2, (2 * 16 * 16 + 3 * d) // 2)  # matrix + window
     env.close()
 
 

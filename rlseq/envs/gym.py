@@ -3,7 +3,8 @@
 :func:`resolve_env_id` turns a ``--env`` argument into ``(family, id)``:
 
 * a procgen game (``caveflyer``, ``procgen:caveflyer``, ``procgen-caveflyer-v0``) -> ``("procgen", "caveflyer")``;
-* a registered gymnasium id -> ``("popgym", id)`` for ``popgym-...`` ids, else ``("gym", id)``.
+* a registered gymnasium id -> ``("popgym", id)`` for ``popgym-...`` ids and other ids of POPGym's envs, else
+  ``("gym", id)``.
 
 Ids are looked up in ``gymnasium.registry`` after importing the packages that register them: the ones named
 with ``packages`` (``--env-package``, like RL Zoo's ``--gym-packages``), the ``module`` of a ``module:id``
@@ -72,12 +73,17 @@ def import_env_packages(names: Iterable[str]) -> None:
 
 
 def env_family(env_id: str) -> str:
-    """``"procgen"`` for a procgen game name, ``"popgym"`` for ``popgym-...`` ids, else ``"gym"``."""
+    """``"procgen"`` for a procgen game name; ``"popgym"`` for ``popgym-...`` ids and for any registered id whose
+    env is POPGym's (such as rlseq's horizon tasks, so they train with POPGym's hyperparameters); else ``"gym"``."""
     from rlseq.envs.procgen import PROCGEN_GAMES
 
     if env_id in PROCGEN_GAMES:
         return "procgen"
-    return "popgym" if env_id.startswith("popgym-") else "gym"
+    if env_id.startswith("popgym-"):
+        return "popgym"
+    spec = gym.registry.get(env_id)
+    entry = getattr(spec, "entry_point", None)
+    return "popgym" if isinstance(entry, str) and entry.startswith("popgym.") else "gym"
 
 
 def suggest_env_ids(name: str, n: int = 5) -> list[str]:

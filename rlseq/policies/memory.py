@@ -3,26 +3,33 @@
 Every memory is the same block around a different core, so that a comparison isolates the memory::
 
     h = LayerNorm(W_in x)                  input projection to d_model (default 128), whatever the observation
-    m = core(h, state, resets)             the memory read (absent for "none")
-    y = LayerNorm(h + m)                   residual + LayerNorm; y is [.., d_model]
+    u = LayerNorm(conv_W(h))               the front end: a causal depthwise convolution over the last W steps
+    m = core(u, state, resets)             the memory read (absent for "none")
+    y = LayerNorm(u + m)                   residual + LayerNorm; y is [.., d_model]
 
-===============  ==========================================  ================================================
-memory           state per sequence                          core
-===============  ==========================================  ================================================
-``"efla"``       ``[H·K·V + (W-1)·C]`` (matrix + conv window)  short conv on q, k, v → EFLA (raw keys) → W_o
-``"deltanet"``   same                                        short conv on q, k, v → DeltaNet (unit keys) → W_o
-``"gru"``        ``[1, L, hidden]``                          ``nn.GRU`` → W_o
-``"lstm"``       ``[2, L, hidden]`` (h at 0, c at 1)          ``nn.LSTM`` → W_o
-``"none"``       ``[0]``                                     nothing: ``y = LayerNorm(h)``
-===============  ==========================================  ================================================
+The front end (``conv_size=W``, default 4, the short convolution of flash-linear-attention's delta-rule layers)
+belongs to the block, not to a memory: every core, the ``none`` control included, sees the last W inputs, so a
+task solved inside that window is solved by ``none`` too and a lead over ``none`` is memory. ``conv_size=1``
+removes the window (a per-channel affine map) for every memory alike.
 
-Defaults give matched parameter counts at any ``d_model`` (cores of ~4.1 d² for EFLA/DeltaNet and ~4.7 d² for
+===============  ==============================================  ============================================
+memory           state per sequence (flat, float32)              core
+===============  ==============================================  ============================================
+``"efla"``       ``H·K·V + (W-1)·d`` (matrix, then the window)   silu(W_qkv u) → EFLA (raw keys) → W_o
+``"deltanet"``   same                                            silu(W_qkv u) → DeltaNet (unit keys) → W_o
+``"gru"``        ``L·hidden + (W-1)·d``                          ``nn.GRU`` → W_o
+``"lstm"``       ``2·L·hidden + (W-1)·d`` (h, then c)             ``nn.LSTM`` → W_o
+``"none"``       ``(W-1)·d`` (the window alone)                  nothing: ``y = LayerNorm(u)``
+===============  ==============================================  ============================================
+
+Defaults give matched parameter counts at any ``d_model`` (cores of ~4 d² for EFLA/DeltaNet and ~4.7 d² for
 the GRU and the LSTM, within 25%; ``docs/memory.md`` lists them).
 
 The interface (:class:`Memory`), the same for all:
 
-- ``initial_state(batch_size, device) -> state`` (zeros): ONE float32 tensor with the batch on dim 0, so
-  algorithms index, clone and store states uniformly (``state[env_idx]``);
+- ``initial_state(batch_size, device) -> state`` (zeros): ONE float32 tensor ``[B, N]`` with the batch on dim 0,
+  so algorithms index, clone and store states uniformly (``state[env_idx]``); :meth:`Memory.state_parts` gives
+  the core's state ``[B, *core_state_shape]`` and the window ``[B, W-1, d]`` as views;
 - ``forward(x [B, T, F], state, resets [B, T]) -> (y [B, T, d_model], final_state)`` for training; does not
   modify ``state``; differentiable with respect to the parameters, ``x`` and ``state``;
 - ``step(x [B, F], state, resets [B]) -> y [B, d_model]`` for acting; updates ``state`` in place;
@@ -30,7 +37,7 @@ The interface (:class:`Memory`), the same for all:
 - ``check_finite(state, where)`` raises :class:`MemoryStateError` naming the bad batch entries.
 
 ``resets[b, t] = True`` means an episode starts at step t of sequence b: the whole state before that step (the
-matrix AND the convolution window) counts as zero (at ``t = 0`` the given ``state`` is ignored for that
+core's AND the convolution window) counts as zero (at ``t = 0`` the given ``state`` is ignored for that
 sequence). ``forward`` over a sequence and ``step`` applied once per time step compute the same function (to
 float32 rounding); the tests check it against float64 step-by-step loops.
 
@@ -54,8 +61,10 @@ from rlseq.policies.short_conv import ShortConv
 
 MEMORIES = ("efla", "deltanet", "gru", "lstm", "none")
 DEFAULT_D_MODEL = 128
+DEFAULT_CONV_SIZE = 4
 
 __all__ = [
+    "DEFAULT_CONV_SIZE",
     "DEFAULT_D_MODEL",
     "MEMORIES",
     "DeltaNetMemory",
@@ -82,9 +91,11 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
     Args:
         in_features: F, the feature size of ``x``.
         d_model: the block width and ``out_features`` (default :data:`DEFAULT_D_MODEL`), independent of F.
+        conv_size: W, the front end's convolution width (default :data:`DEFAULT_CONV_SIZE`; 1: no window).
 
-    Subclasses implement ``state_shape``, ``_core(h [B, T, d], state, resets) -> (m, final_state)`` and
-    ``_core_step(h [B, d], state, resets) -> m`` (``m`` None: no read, the memoryless control).
+    Subclasses implement ``core_state_shape``, ``_core(u [B, T, d], core_state, resets) -> (m, final_core_state)``
+    and ``_core_step(u [B, d], core_state, resets) -> m`` (``m`` None: no read, the memoryless control), where
+    ``core_state`` is the ``[B, *core_state_shape]`` part of the state.
 
     Attributes:
         name: registry name.
@@ -94,52 +105,84 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
     name: str = "abstract"
     train_graph_obstacle: str | None = None
 
-    def __init__(self, in_features: int, *, d_model: int | None = None) -> None:
+    def __init__(self, in_features: int, *, d_model: int | None = None, conv_size: int = DEFAULT_CONV_SIZE) -> None:
         super().__init__()
         self.in_features = int(in_features)
         self.d_model = int(d_model) if d_model is not None else DEFAULT_D_MODEL
         if self.in_features < 1 or self.d_model < 1:
             raise ValueError(f"in_features and d_model must be >= 1, got {self.in_features}, {self.d_model}")
+        if isinstance(conv_size, bool) or not isinstance(conv_size, int) or conv_size < 1:
+            raise ValueError(f"conv_size must be an integer >= 1, got {conv_size!r}")
         self.out_features = self.d_model
         # Normalising the projected input gives every core unit-scale inputs whatever the observation's scale and
         # width, so defaults (and EFLA's starting gate) carry over from one task to the next.
         self.in_proj = nn.Sequential(nn.Linear(self.in_features, self.d_model), nn.LayerNorm(self.d_model))
+        # linear, then normalised: the cores get unit-scale inputs, as argued above, that are symmetric about zero
+        # like h (a SiLU here would give every β logit an offset, and the gates a start that depends on the task)
+        self.conv = ShortConv(self.d_model, conv_size, activation=False)
+        self.conv_norm = nn.LayerNorm(self.d_model)
         self.norm = nn.LayerNorm(self.d_model)
 
     def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> torch.Tensor:
-        """Zero state for ``batch_size`` sequences: one float32 tensor with the batch on dim 0."""
+        """Zero state for ``batch_size`` sequences: one float32 tensor ``[B, N]``."""
         return torch.zeros(batch_size, *self.state_shape, dtype=torch.float32, device=device)
 
     @property
     @abc.abstractmethod
+    def core_state_shape(self) -> tuple[int, ...]:
+        """Per-sequence shape of the core's part of the state."""
+
+    @property
     def state_shape(self) -> tuple[int, ...]:
-        """Per-sequence state shape (the state is ``[B, *state_shape]``)."""
+        """Per-sequence state shape ``(N,)``: the core's state flattened, then the window ``(W-1)·d``."""
+        return (math.prod(self.core_state_shape) + self.conv.window_size * self.d_model,)
+
+    def state_parts(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of a state ``[B, N]``: the core's ``[B, *core_state_shape]`` and the window ``[B, W-1, d]``
+        (writes through them update ``state``)."""
+        B, n_core = state.shape[0], math.prod(self.core_state_shape)
+        return (state[:, :n_core].view(B, *self.core_state_shape),
+                state[:, n_core:].view(B, self.conv.window_size, self.d_model))
 
     @abc.abstractmethod
-    def _core(self, h: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None
+    def _core(self, u: torch.Tensor, core_state: torch.Tensor, resets: torch.Tensor | None, *, h: torch.Tensor
               ) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """``h [B, T, d]`` → ``(m [B, T, d] or None, final_state)``; must not modify ``state``."""
+        """``u [B, T, d]`` (``h``: the block input before the convolution, same shape) → ``(m [B, T, d] or None,
+        final core state)``; must not modify ``core_state``."""
 
     @abc.abstractmethod
-    def _core_step(self, h: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None) -> torch.Tensor | None:
-        """``h [B, d]`` → ``m [B, d]`` or None; updates ``state`` in place."""
+    def _core_step(self, u: torch.Tensor, core_state: torch.Tensor, resets: torch.Tensor | None, *, h: torch.Tensor
+                   ) -> torch.Tensor | None:
+        """``u [B, d]`` (and ``h [B, d]``) → ``m [B, d]`` or None; updates ``core_state`` in place."""
 
-    def _output(self, h: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-        return self.norm(h if m is None else h + m.to(h.dtype))
+    def _output(self, u: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+        return self.norm(u if m is None else u + m.to(u.dtype))
+
+    def front(self, x: torch.Tensor, window: torch.Tensor, resets: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The front end over a sequence: ``x [B, T, F]`` → ``(h [B, T, d], u [B, T, d], new window [B, W-1, d])``."""
+        h = self.in_proj(x)
+        c, new_window = self.conv(h, window, resets)
+        return h, self.conv_norm(c), new_window
 
     def forward(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x [B, T, F]``, ``state [B, ...]``, ``resets [B, T]`` bool → ``(y [B, T, d_model], final_state)``."""
+        """``x [B, T, F]``, ``state [B, N]``, ``resets [B, T]`` bool → ``(y [B, T, d_model], final_state [B, N])``."""
         B, T = x.shape[:2]
         resets = _check_resets(resets, (B, T), x.device)
-        h = self.in_proj(x)
-        m, final = self._core(h, state, resets)
-        return self._output(h, m), final
+        core_state, window = self.state_parts(state)
+        h, u, new_window = self.front(x, window, resets)
+        m, final = self._core(u, core_state, resets, h=h)
+        final_state = torch.cat([final.reshape(B, -1).to(torch.float32), new_window.reshape(B, -1).to(torch.float32)], 1)
+        return self._output(u, m), final_state
 
     def step(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
         """One acting step: ``x [B, F]``, ``resets [B]`` bool → ``y [B, d_model]``; ``state`` updated in place."""
         resets = _check_resets(resets, (x.shape[0],), x.device)
         h = self.in_proj(x)
-        return self._output(h, self._core_step(h, state, resets))
+        u = self.conv_norm(self.conv.step(h, self.state_parts(state)[1], resets))
+        # the core's view is taken after the window's in-place update: under autograd that update gives the state
+        # a new version, which an older view may not be written through
+        return self._output(u, self._core_step(u, self.state_parts(state)[0], resets, h=h))
 
     @torch.no_grad()
     def diagnostics(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -155,17 +198,22 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
         batch_idx = per_batch.nonzero().flatten().tolist()
         finite = state[~bad]
         max_abs = finite.abs().max().item() if finite.numel() else float("nan")
+        detail = ""
+        if bad.dim() == 2 and bad.shape[1] == self.state_shape[0]:
+            core, window = self.state_parts(bad)
+            in_window = window.flatten(1).any(-1).nonzero().flatten().tolist()
+            detail = self._describe_bad(core) + (f", convolution window of batch {_short(in_window)}" if in_window else "")
         raise MemoryStateError(
-            f"non-finite {self.name} memory state at {where}: batch indices {_short(batch_idx)}"
-            f"{self._describe_bad(bad)}; {int(bad.sum())} of {state.numel()} values non-finite; max |value| of the "
-            f"finite part {max_abs:.4g} (state shape {list(state.shape)})"
+            f"non-finite {self.name} memory state at {where}: batch indices {_short(batch_idx)}{detail}; "
+            f"{int(bad.sum())} of {state.numel()} values non-finite; max |value| of the finite part {max_abs:.4g} "
+            f"(state shape {list(state.shape)})"
         )
 
-    def _describe_bad(self, bad: torch.Tensor) -> str:  # memory-specific detail for check_finite
+    def _describe_bad(self, bad_core: torch.Tensor) -> str:  # memory-specific detail for check_finite
         return ""
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, d_model={self.d_model}"
+        return f"in_features={self.in_features}, d_model={self.d_model}, conv_size={self.conv.kernel_size}"
 
 
 def _short(xs: list[Any], n: int = 16) -> str:
@@ -183,19 +231,19 @@ def _check_resets(resets: torch.Tensor | None, shape: tuple[int, ...], device: t
 
 
 class NoMemory(Memory):
-    """The memoryless control: the same block with the memory read removed, ``y = LayerNorm(LayerNorm(W_in x))``,
-    and an empty state ``[B, 0]``."""
+    """The memoryless control: the same block with the memory read removed, ``y = LayerNorm(u)`` (``u`` the front
+    end's output, which still sees the last ``conv_size`` inputs), and the window as its whole state."""
 
     name = "none"
 
     @property
-    def state_shape(self) -> tuple[int, ...]:
+    def core_state_shape(self) -> tuple[int, ...]:
         return (0,)
 
-    def _core(self, h, state, resets):
-        return None, state
+    def _core(self, u, core_state, resets, *, h):
+        return None, core_state
 
-    def _core_step(self, h, state, resets):
+    def _core_step(self, u, core_state, resets, *, h):
         return None
 
 
@@ -210,16 +258,16 @@ class _DeltaRuleMemory(Memory):
         in_features: int,
         *,
         d_model: int | None = None,
+        conv_size: int = DEFAULT_CONV_SIZE,
         n_heads: int = 4,
         head_dim: int | None = None,
         value_dim: int | None = None,
-        conv_size: int = 4,
         query_norm: bool = True,
         beta_bias_init: float | None = None,
         backend: str | None = None,
         chunk_size: int | None = None,
     ) -> None:
-        super().__init__(in_features, d_model=d_model)
+        super().__init__(in_features, d_model=d_model, conv_size=conv_size)
         if n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got {n_heads}")
         self.n_heads = int(n_heads)
@@ -233,27 +281,35 @@ class _DeltaRuleMemory(Memory):
         H, K, V = self.n_heads, self.head_dim, self.value_dim
         self._split = (H * K, H * K, H * V)
         self.qkv = nn.Linear(self.d_model, sum(self._split))
-        self.conv = ShortConv(sum(self._split), conv_size)
         self.beta_proj = nn.Linear(self.d_model, H)
         self.out_proj = nn.Linear(H * V, self.d_model)
-        self._matrix_numel = H * K * V
         with torch.no_grad():
             self.beta_proj.bias.fill_(self._default_beta_bias() if beta_bias_init is None else float(beta_bias_init))
 
+    target_start_gate = 0.5
+
     def _default_beta_bias(self) -> float:
-        return 0.0  # β = 0.5: DeltaNet's gate is β, so its mean starts at 0.5
+        """b_β with a mean starting gate (1 - the transition's eigenvalue: EFLA's ``1 - e^{-βλ}``, DeltaNet's β) of
+        :attr:`target_start_gate` over unit-normal block inputs (a fixed generator: the global random stream is
+        untouched), found by bisection on b_β. The β projection's weights take part: β = sigmoid(w_β · h + b_β)
+        varies from step to step."""
+        gen = torch.Generator().manual_seed(0)
+        h = torch.randn(64, 16, self.d_model, generator=gen)
+        with torch.no_grad():
+            u = self.conv_norm(self.conv(h, torch.zeros(64, self.conv.window_size, self.d_model), None)[0])
+            _, k, _ = self._raw_heads(u)
+            k = self._keys(k).double()
+            logit = (h @ self.beta_proj.weight.t()).double()  # [64, 16, H], without the bias
+            lo, hi = -40.0, 40.0
+            for _ in range(60):  # the mean gate increases with b_β
+                mid = (lo + hi) / 2
+                gate = float(unit_key_scales(k, self._beta(logit + mid), self.rule)[1].mean())
+                lo, hi = (mid, hi) if gate < self.target_start_gate else (lo, mid)
+        return (lo + hi) / 2
 
     @property
-    def state_shape(self) -> tuple[int, ...]:
-        return (self._matrix_numel + self.conv.window_size * self.conv.channels,)
-
-    def state_parts(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views of a state ``[B, N]``: the delta-rule matrix ``[B, H, K, V]`` and the convolution window
-        ``[B, W-1, C]`` (writes through them update ``state``)."""
-        B = state.shape[0]
-        matrix = state[:, : self._matrix_numel].view(B, self.n_heads, self.head_dim, self.value_dim)
-        window = state[:, self._matrix_numel :].view(B, self.conv.window_size, self.conv.channels)
-        return matrix, window
+    def core_state_shape(self) -> tuple[int, ...]:
+        return (self.n_heads, self.head_dim, self.value_dim)
 
     # -- the parts that differ between EFLA and DeltaNet -------------------------------------------------
     def _keys(self, k_raw: torch.Tensor) -> torch.Tensor:
@@ -264,56 +320,50 @@ class _DeltaRuleMemory(Memory):
         return torch.sigmoid(logit)
 
     # -- shared ------------------------------------------------------------------------------------------
-    def _heads(self, qkv: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Convolved ``qkv [..., C]`` and ``h [..., d]`` → ``q [..., H, K]``, keys ``[..., H, K]`` (as the rule takes
-        them), ``v [..., H, V]``, ``β [..., H]``."""
-        q, k, v = qkv.split(self._split, dim=-1)
-        lead, H = qkv.shape[:-1], self.n_heads
-        q = q.reshape(*lead, H, self.head_dim)
-        k = k.reshape(*lead, H, self.head_dim)
-        v = v.reshape(*lead, H, self.value_dim)
+    def _raw_heads(self, u: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``u [..., d]`` → ``q [..., H, K]``, raw keys ``[..., H, K]``, ``v [..., H, V]`` (after the SiLU)."""
+        q, k, v = F.silu(self.qkv(u)).split(self._split, dim=-1)
+        lead, H = u.shape[:-1], self.n_heads
+        return (q.reshape(*lead, H, self.head_dim), k.reshape(*lead, H, self.head_dim),
+                v.reshape(*lead, H, self.value_dim))
+
+    def _heads(self, u: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``u [..., d]``, ``h [..., d]`` → ``q [..., H, K]``, keys ``[..., H, K]`` (as the rule takes them),
+        ``v [..., H, V]``, ``β [..., H]`` (β from ``h``, before the convolution, as flash-linear-attention's
+        layers compute it from their input)."""
+        q, k, v = self._raw_heads(u)
         if self.query_norm:
             q = F.normalize(q, dim=-1, eps=1e-6)
         return q, self._keys(k), v, self._beta(self.beta_proj(h))
 
-    def _sequence_inputs(self, h: torch.Tensor, window: torch.Tensor, resets: torch.Tensor | None):
-        qkv, new_window = self.conv(self.qkv(h), window, resets)
-        return (*self._heads(qkv, h), new_window)
-
-    def _core(self, h, state, resets):
-        matrix, window = self.state_parts(state)
-        q, k, v, beta, new_window = self._sequence_inputs(h, window, resets)
-        o, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=matrix, resets=resets,
+    def _core(self, u, core_state, resets, *, h):
+        q, k, v, beta = self._heads(u, h)
+        o, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=core_state, resets=resets,
                               backend=self.backend, chunk_size=self.chunk_size, check_beta=False)
-        final_state = torch.cat([final.flatten(1), new_window.flatten(1).to(final.dtype)], dim=1)
-        return self.out_proj(o.to(h.dtype).flatten(-2)), final_state
+        return self.out_proj(o.to(u.dtype).flatten(-2)), final
 
-    def _core_step(self, h, state, resets):
-        q, k, v, beta = self._heads(self.conv.step(self.qkv(h), self.state_parts(state)[1], resets), h)
-        # the matrix view is taken after the window's in-place update: under autograd that update gives the state
-        # a new version, which an older view may not be written through
-        matrix = self.state_parts(state)[0]
-        o = step_rule(q, k, v, beta, matrix, rule=self.rule, resets=resets, backend=self.backend, check_beta=False)
-        return self.out_proj(o.to(h.dtype).flatten(-2))
+    def _core_step(self, u, core_state, resets, *, h):
+        q, k, v, beta = self._heads(u, h)
+        o = step_rule(q, k, v, beta, core_state, rule=self.rule, resets=resets, backend=self.backend,
+                      check_beta=False)
+        return self.out_proj(o.to(u.dtype).flatten(-2))
 
     @torch.no_grad()
     def diagnostics(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """``key_norm_mean/max``: raw key norms (after the convolution, before DeltaNet's normalisation) over all
-        (b, t, head); ``gate_mean`` / ``gate_saturated_frac``: the gate ``1 - eigenvalue`` of each step's transition
-        and the fraction above 0.99; ``state_norm_mean/max``: Frobenius norm per (batch, head) of the FINAL matrix
-        state reached after the sequence (per-step states would cost a K-fold larger computation)."""
+        """``key_norm_mean/max``: raw key norms (before DeltaNet's normalisation) over all (b, t, head);
+        ``gate_mean`` / ``gate_saturated_frac``: the gate ``1 - eigenvalue`` of each step's transition and the
+        fraction above 0.99; ``state_norm_mean/max``: Frobenius norm per (batch, head) of the FINAL matrix state
+        reached after the sequence (per-step states would cost a K-fold larger computation)."""
         B, T = x.shape[:2]
         resets = _check_resets(resets, (B, T), x.device)
-        h = self.in_proj(x)
         matrix, window = self.state_parts(state)
-        qkv, _ = self.conv(self.qkv(h), window, resets)
-        q, k, v, beta = self._heads(qkv, h)
+        h, u, _ = self.front(x, window, resets)
+        q, k, v, beta = self._heads(u, h)
         # 1 − (the transition's non-unit eigenvalue), from the rule's single definition in rlseq.kernels
         _, gate, _ = unit_key_scales(k.float(), beta.float(), self.rule)
         _, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=matrix, resets=resets,
                               backend=self.backend, chunk_size=self.chunk_size, check_beta=False)
-        k_raw = qkv.split(self._split, dim=-1)[1].reshape(*qkv.shape[:-1], self.n_heads, self.head_dim)
-        knorm = k_raw.float().norm(dim=-1)
+        knorm = self._raw_heads(u)[1].float().norm(dim=-1)
         snorm = final.flatten(2).norm(dim=-1)
         return {
             "key_norm_mean": knorm.mean(),
@@ -324,57 +374,54 @@ class _DeltaRuleMemory(Memory):
             "state_norm_max": snorm.max(),
         }
 
-    def _describe_bad(self, bad: torch.Tensor) -> str:
-        if bad.dim() != 2:
-            return ""
-        matrix, window = self.state_parts(bad)
-        pairs = matrix.flatten(2).any(-1).nonzero().tolist()  # (batch, head)
-        in_window = window.flatten(1).any(-1).nonzero().flatten().tolist()
-        return f", (batch, head) pairs {_short([tuple(p) for p in pairs])}, convolution window of batch {_short(in_window)}"
+    def _describe_bad(self, bad_core: torch.Tensor) -> str:
+        pairs = bad_core.flatten(2).any(-1).nonzero().tolist()  # (batch, head)
+        return f", (batch, head) pairs {_short([tuple(p) for p in pairs])}" if pairs else ""
 
     def extra_repr(self) -> str:
         return (
             f"{super().extra_repr()}, n_heads={self.n_heads}, head_dim={self.head_dim}, value_dim={self.value_dim}, "
-            f"conv_size={self.conv.kernel_size}, query_norm={self.query_norm}, backend={self.backend}, "
-            f"chunk_size={self.chunk_size}"
+            f"query_norm={self.query_norm}, backend={self.backend}, chunk_size={self.chunk_size}"
         )
 
 
 class EFLAMemory(_DeltaRuleMemory):
     """Multi-head EFLA (Error-Free Linear Attention) memory in the shared block.
 
-    Per step t, with ``h = LayerNorm(W_in x)``::
+    Per step t, with ``u = LayerNorm(conv_W(LayerNorm(W_in x)))`` the shared front end::
 
-        q, k, v = silu(conv_W(W_qkv h))          (causal depthwise conv of width W over time, per channel)
-        β       = sigmoid(w_β · h + b_β)         (per head, ∈ (0, 1))
+        q, k, v = silu(W_qkv u)                  (per head)
+        β       = sigmoid(w_β · h + b_β)         (per head, ∈ (0, 1); h before the convolution, as fla's layers)
         S_t     = EFLA(S_{t-1}; k, v, β)          (exact rank-1 ODE step, rlseq/kernels/rules.py)
         o       = S_tᵀ q̂                         (q̂ = q/‖q‖ when query_norm, else q)
-        y       = LayerNorm(h + W_o [o_1 … o_H])
+        y       = LayerNorm(u + W_o [o_1 … o_H])
 
     Choices and why:
 
-    - **Short convolution** (``conv_size=4``, as flash-linear-attention's delta-rule layers): without it q, k and v
-      depend on the current step alone and the memory cannot address "k steps ago" (a recall task such as POPGym's
-      RepeatPrevious stays at chance). Its window of the last ``W-1`` projected inputs is part of the state and is
-      zeroed at episode starts exactly like the matrix; ``conv_size=1`` removes the window.
+    - **The short convolution is the block's** (see the module docstring): q, k and v are projections of ``u``,
+      which sees the last ``conv_size`` inputs, so keys can address "k steps ago" inside that window, and the
+      ``none`` control sees the same window. (flash-linear-attention's layers convolve q, k and v after their
+      projections, then apply SiLU; convolving their common input instead gives every core the same front end,
+      and the SiLU after the projections is kept: without it DeltaNet's unit keys point in any direction and
+      the tests' cue-recall task was not learned at its budget.)
     - **Raw keys.** EFLA's key norm ``λ = ‖k‖²`` is its data-dependent gate: the transition's eigenvalue is
       ``exp(-βλ) ∈ (0, 1]`` for ANY key scale, so the state cannot blow up, and huge keys saturate the write
       instead of exploding. Normalising the keys would remove exactly that property.
-    - **Matched start.** ``beta_bias_init=None`` sets b_β so that EFLA's mean gate ``1 - e^{-βλ}`` starts at 0.5
-      on unit-normal block inputs, DeltaNet's starting gate (its gate is β = sigmoid(0)); the
-      comparison then starts both memories in the same regime (``memory/gate_mean`` is logged from step 0).
+    - **Matched start.** ``beta_bias_init=None`` sets b_β so that the mean gate (EFLA's ``1 - e^{-βλ}``,
+      DeltaNet's β) starts at 0.5 on unit-normal block inputs for both memories; the comparison then starts
+      them in the same regime (``memory/gate_mean`` is logged from step 0).
     - **Query normalisation (default on)**: L2 per head, no extra ``1/√K`` scale (the output projection learns
       it), so reads stay bounded whatever the input scale.
-    - **State** ``[B, H·K·V + (W-1)·C]`` float32 (``C = H(2K + V)``); :meth:`state_parts` gives the matrix
-      ``[B, H, K, V]`` and the window ``[B, W-1, C]`` as views.
+    - **State** ``[B, H·K·V + (W-1)·d]`` float32; :meth:`state_parts` gives the matrix ``[B, H, K, V]`` and the
+      window ``[B, W-1, d]`` as views.
     - Defaults ``n_heads=4``, ``head_dim = value_dim = d_model / n_heads`` (32 at the default width 128):
       4·32·32 = 4096 floats of matrix state per sequence.
 
     Args:
         in_features: F, size of ``x``.
         d_model: block width (default 128).
+        conv_size: W, the front end's convolution width (1: no temporal window).
         n_heads, head_dim, value_dim: H, K, V.
-        conv_size: W, the short convolution's width (1: no temporal window).
         query_norm: L2-normalise queries per head.
         beta_bias_init: initial bias of the β logit (None: the matched start above).
         backend: kernel backend passed to ``chunk_rule``/``step_rule`` (None: Triton on CUDA, torch on the CPU).
@@ -383,23 +430,6 @@ class EFLAMemory(_DeltaRuleMemory):
 
     name = "efla"
     rule = "efla"
-    target_start_gate = 0.5
-
-    def _default_beta_bias(self) -> float:
-        """b_β with a mean starting gate of :attr:`target_start_gate` over unit-normal block inputs (a fixed
-        generator: the global random stream is untouched), found by bisection on β."""
-        gen = torch.Generator().manual_seed(0)
-        h = torch.randn(64, 16, self.d_model, generator=gen)
-        with torch.no_grad():
-            window = torch.zeros(64, self.conv.window_size, self.conv.channels)
-            k = self.conv(self.qkv(h), window, None)[0].split(self._split, dim=-1)[1]
-            lam = k.reshape(64, 16, self.n_heads, self.head_dim).double().pow(2).sum(-1)
-            lo, hi = 1e-6, 1 - 1e-6
-            for _ in range(50):
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if float((-torch.expm1(-mid * lam)).mean()) < self.target_start_gate else (lo, mid)
-        beta = (lo + hi) / 2
-        return math.log(beta / (1 - beta))
 
 
 class DeltaNetMemory(_DeltaRuleMemory):
@@ -407,8 +437,8 @@ class DeltaNetMemory(_DeltaRuleMemory):
 
         k̂ = k/‖k‖,  S_t = (I - β k̂ k̂ᵀ) S_{t-1} + β k̂ vᵀ
 
-    The standard DeltaNet (as in flash-linear-attention's layer: short convolution + SiLU on q, k, v, unit
-    keys): the transition's eigenvalue ``1 - β`` lies in (0, 1) for ``β = sigmoid(·)``, starting at 0.5.
+    The standard DeltaNet rule (as in flash-linear-attention's layer: unit keys, a short convolution before the
+    projections here, see :class:`EFLAMemory`): the transition's eigenvalue ``1 - β`` lies in (0, 1) for ``β = sigmoid(·)``, starting at 0.5.
     ``allow_negative_eigenvalues=True`` uses ``β = 2·sigmoid(·) ∈ (0, 2)``, eigenvalues in (-1, 1), which helps
     state tracking. Every other choice (and argument) is as in :class:`EFLAMemory`; the diagnostics' ``gate``
     is β.
@@ -428,16 +458,13 @@ class DeltaNetMemory(_DeltaRuleMemory):
         b = torch.sigmoid(logit)
         return 2 * b if self.allow_negative_eigenvalues else b
 
-    def _default_beta_bias(self) -> float:
-        return -math.log(3.0) if self.allow_negative_eigenvalues else 0.0  # β starts at 0.5 either way
-
     def extra_repr(self) -> str:
         return super().extra_repr() + f", allow_negative_eigenvalues={self.allow_negative_eigenvalues}"
 
 
 class _RNNMemory(Memory):
-    """Core of :class:`GRUMemory` and :class:`LSTMMemory`: ``m = W_o rnn(h)``, state ``[B, P, L, hidden]`` with
-    ``P`` the RNN's state tensors (GRU: h; LSTM: h, c).
+    """Core of :class:`GRUMemory` and :class:`LSTMMemory`: ``m = W_o rnn(u)``, core state ``[B, P, L, hidden]``
+    with ``P`` the RNN's state tensors (GRU: h; LSTM: h, c).
 
     Resets are exact and ``forward`` makes ONE RNN call (cuDNN on the GPU) whatever the resets: without resets
     the whole batch goes through at once; otherwise every sequence is cut into its episode segments, the segments
@@ -451,9 +478,9 @@ class _RNNMemory(Memory):
     n_parts: int
     hidden_ratio: float  # default hidden_size / d_model: matches the delta-rule cores' parameter count
 
-    def __init__(self, in_features: int, *, d_model: int | None = None, hidden_size: int | None = None,
-                 num_layers: int = 1, **rnn_kwargs: Any) -> None:
-        super().__init__(in_features, d_model=d_model)
+    def __init__(self, in_features: int, *, d_model: int | None = None, conv_size: int = DEFAULT_CONV_SIZE,
+                 hidden_size: int | None = None, num_layers: int = 1, **rnn_kwargs: Any) -> None:
+        super().__init__(in_features, d_model=d_model, conv_size=conv_size)
         if rnn_kwargs.pop("batch_first", True) is not True or rnn_kwargs.get("bidirectional"):
             raise ValueError(f"{type(self).__name__} is always batch_first and unidirectional")
         self.hidden_size = int(hidden_size) if hidden_size is not None else max(1, round(self.hidden_ratio * self.d_model))
@@ -463,7 +490,7 @@ class _RNNMemory(Memory):
         self.out_proj = nn.Linear(self.hidden_size, self.d_model)
 
     @property
-    def state_shape(self) -> tuple[int, ...]:
+    def core_state_shape(self) -> tuple[int, ...]:
         return (self.n_parts, self.num_layers, self.hidden_size)
 
     def _unpack(self, state: torch.Tensor):
@@ -476,9 +503,10 @@ class _RNNMemory(Memory):
         parts = rnn_state if isinstance(rnn_state, tuple) else (rnn_state,)
         return torch.stack(parts, 0).permute(2, 0, 1, 3)
 
-    def _core(self, h, state, resets):
+    def _core(self, u, state, resets, *, h):
+        h = u  # the RNN reads the front end's output; the name h below is the RNN's input
         B, T = h.shape[:2]
-        state = state.to(h.dtype)
+        state = state.to(h.dtype)  # [B, P, L, hidden], the core's part
         if resets is None or not bool(resets[:, 1:].any()):
             # Fast path: no episode starts after t = 0, one call over the whole batch.
             if resets is not None:
@@ -490,7 +518,7 @@ class _RNNMemory(Memory):
         # segments tile [0, B*T) in order and each one's length is the gap to the next start.
         seg = resets.clone()
         seg[:, 0] = True
-        starts = seg.view(-1).nonzero().flatten()  # flat start indices, ascending
+        starts = seg.reshape(-1).nonzero().flatten()  # flat start indices, ascending
         lengths = torch.diff(starts, append=starts.new_tensor([B * T]))
         seg_b = starts // T
         lmax = int(lengths.max())
@@ -498,7 +526,7 @@ class _RNNMemory(Memory):
         gather = (starts.unsqueeze(1) + steps).clamp_max(B * T - 1)  # [P, lmax]
         padded = h.reshape(B * T, -1)[gather]  # [P, lmax, d]
         # First segment of a sequence starts from the carried state unless it resets at t = 0; the rest from 0.
-        keep = ((starts % T) == 0) & ~resets.view(-1)[starts]
+        keep = ((starts % T) == 0) & ~resets.reshape(-1)[starts]
         h0 = self._unpack(state[seg_b] * keep.to(state.dtype).view(-1, 1, 1, 1))
         packed = nn.utils.rnn.pack_padded_sequence(padded, lengths.cpu(), batch_first=True, enforce_sorted=False)
         out, final = self.rnn(packed, h0)
@@ -509,9 +537,10 @@ class _RNNMemory(Memory):
         last = torch.diff(seg_b, append=seg_b.new_tensor([B])).nonzero().flatten()
         return self.out_proj(y), self._pack(final)[last]
 
-    def _core_step(self, h, state, resets):
+    def _core_step(self, u, state, resets, *, h):
+        h = u  # the RNN's input
         if resets is not None:
-            state.masked_fill_(resets.view(-1, 1, 1, 1), 0.0)
+            state.masked_fill_(resets.reshape(-1, 1, 1, 1), 0.0)
         # a copy: the RNN's inputs must not be views of the state written below (autograd forbids it)
         y, final = self.rnn(h.unsqueeze(1), self._unpack(state.to(h.dtype, copy=True)))
         state.copy_(self._pack(final))
@@ -522,14 +551,12 @@ class _RNNMemory(Memory):
         """``state_norm_mean/max``: L2 norm of the whole RNN state over all layers, per sequence, of the FINAL state
         reached after the sequence, as for the delta-rule memories (one ``forward`` call, no loop over time)."""
         _, final = self.forward(x, state, resets)
-        n = final.flatten(1).norm(dim=-1)
+        n = self.state_parts(final)[0].flatten(1).norm(dim=-1)
         return {"state_norm_mean": n.mean(), "state_norm_max": n.max()}
 
-    def _describe_bad(self, bad: torch.Tensor) -> str:
-        if bad.dim() != 4:
-            return ""
-        trip = bad.any(-1).nonzero().tolist()  # (batch, part, layer)
-        return f", (batch, {self._part_names}, layer) {_short([tuple(t) for t in trip])}"
+    def _describe_bad(self, bad_core: torch.Tensor) -> str:
+        trip = bad_core.any(-1).nonzero().tolist()  # (batch, part, layer)
+        return f", (batch, {self._part_names}, layer) {_short([tuple(t) for t in trip])}" if trip else ""
 
     _part_names = "part"
 
@@ -538,7 +565,7 @@ class _RNNMemory(Memory):
 
 
 class GRUMemory(_RNNMemory):
-    """``nn.GRU`` baseline in the shared block: state ``[B, 1, num_layers, hidden_size]`` float32. POPGym's study
+    """``nn.GRU`` baseline in the shared block: core state ``[B, 1, num_layers, hidden_size]`` float32. POPGym's study
     found the GRU the strongest classic memory. Default ``hidden_size = 0.75·d_model`` (96 at the default width):
     its core then has about as many parameters as the delta-rule cores (see the module docstring)."""
 
@@ -550,7 +577,7 @@ class GRUMemory(_RNNMemory):
 
 
 class LSTMMemory(_RNNMemory):
-    """``nn.LSTM`` baseline in the shared block: state ``[B, 2, num_layers, hidden_size]`` float32, h at
+    """``nn.LSTM`` baseline in the shared block: core state ``[B, 2, num_layers, hidden_size]`` float32, h at
     ``[:, 0]``, c at ``[:, 1]``. Default ``hidden_size = 0.625·d_model`` (80 at the default width), for matched
     parameter counts (see the module docstring)."""
 
@@ -581,8 +608,8 @@ def memory_class(name: str) -> type[Memory]:
 def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:
     """Build a memory by name (one of :data:`MEMORIES`) over ``in_features`` inputs.
 
-    ``memory_kwargs`` go to the class: every memory takes ``d_model``; :class:`EFLAMemory` /
-    :class:`DeltaNetMemory` also ``n_heads``, ``head_dim``, ``value_dim``, ``conv_size``, ``query_norm``,
+    ``memory_kwargs`` go to the class: every memory takes ``d_model`` and ``conv_size``; :class:`EFLAMemory` /
+    :class:`DeltaNetMemory` also ``n_heads``, ``head_dim``, ``value_dim``, ``query_norm``,
     ``beta_bias_init``, ``backend``, ``chunk_size``; :class:`GRUMemory` / :class:`LSTMMemory` ``hidden_size``,
     ``num_layers``. An unknown keyword raises ``TypeError`` naming the class.
     """
