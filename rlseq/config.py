@@ -291,6 +291,20 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     memory_kwargs = cfg.pop("memory_kwargs", {}) or {}
     cfg.update(env=env, env_family=family, env_packages=list(env_id.packages), memory=args.memory, algo=args.algo,
                seed=args.seed, tag=args.tag, memory_kwargs=dict(memory_kwargs.get(args.memory, {}) or {}))
+    stock_lstm = args.algo != "rlseq" and args.memory == "lstm"
+    conv_size = getattr(args, "conv_size", None)
+    if conv_size is not None:
+        if conv_size < 1:
+            raise UsageError(f"--conv-size must be >= 1, got {conv_size}")
+        if stock_lstm:
+            raise UsageError("--conv-size sets rlseq's block; sb3-contrib's own LSTM (--algo sb3-recurrent-ppo "
+                             "--memory lstm) has none")
+        cfg["memory_kwargs"]["conv_size"] = conv_size
+    if getattr(args, "shared_lstm", False):
+        if not stock_lstm:
+            raise UsageError("--shared-lstm is an option of sb3-contrib's own LSTM: give --algo sb3-recurrent-ppo "
+                             "--memory lstm")
+        cfg["policy_kwargs"] = {**(cfg.get("policy_kwargs") or {}), "shared_lstm": True, "enable_critic_lstm": False}
     return cfg
 
 

@@ -114,6 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory layout for the CNN (cuDNN's tensor-core layout, mostly with --amp bf16; "
                         "config: channels_last; default off)")
+    p.add_argument("--conv-size", type=int, default=None, metavar="W",
+                   help="width of the block's short convolution, every memory's front end (memory_kwargs conv_size; "
+                        "default 4; 1: no window, the control that shows what the window alone explains)")
+    p.add_argument("--shared-lstm", action="store_true",
+                   help="--algo sb3-recurrent-ppo --memory lstm only: one LSTM for actor and critic (sb3-contrib's "
+                        "shared_lstm=True, enable_critic_lstm=False) instead of its default separate critic LSTM")
     p.add_argument("--logdir", default="runs")
     p.add_argument("--tag", default=None, help="suffix of the run's variant folder, e.g. reward1e3")
     p.add_argument("--config", default=None,

@@ -150,7 +150,8 @@ def test_report_only_without_results_says_what_to_run(tmp_path):
 
 
 def test_the_grid_is_seed_major_and_trains_the_anchor_with_sb3_contrib():
-    assert M.variants()[-1] == "sb3-lstm" and {"efla", "deltanet", "gru", "lstm", "none"} <= set(M.variants())
+    assert M.variants()[-2:] == ["sb3-lstm", "sb3-lstm-shared"]
+    assert {"efla", "deltanet", "gru", "lstm", "none", "none-conv1", "efla-conv1"} <= set(M.variants())
     runs = M.build_grid([T1, T2], ["efla", "sb3-lstm"], [0, 1], {T1: 100, T2: 200})
     assert [(r.seed, r.task, r.variant) for r in runs] == [
         (s, t, v) for s in (0, 1) for t in (T1, T2) for v in ("efla", "sb3-lstm")]
@@ -167,14 +168,116 @@ def test_the_grid_is_seed_major_and_trains_the_anchor_with_sb3_contrib():
     assert cfg["algo"] == "sb3-recurrent-ppo" and cfg["n_timesteps"] == 100 and cfg["n_envs"] == 4
 
 
-def test_quick_fills_what_the_flags_leave_open():
+def test_the_window_controls_and_the_shared_anchor_are_flags_the_training_cli_takes():
+    """``<memory>-conv1`` trains the same memory with conv_size 1 in its own folder; ``sb3-lstm-shared`` is
+    sb3-contrib's LSTM with one LSTM for actor and critic."""
+    from rlseq.train import build_parser, resolve
+
+    control, shared = M.BenchRun(T1, "none-conv1", 0, 100), M.BenchRun(T1, "sb3-lstm-shared", 0, 100)
+    assert control.folder("logs") == Path("logs") / T1 / "none-conv1" / "seed0"
+    assert shared.folder("logs") == Path("logs") / T1 / "sb3-lstm-shared" / "seed0"
+    cfg = resolve(build_parser().parse_args(control.train_argv("logs", device="cpu")))
+    assert cfg["memory"] == "none" and cfg["memory_kwargs"] == {"conv_size": 1} and cfg["tag"] == "conv1"
+    cfg = resolve(build_parser().parse_args(shared.train_argv("logs", device="cpu")))
+    assert cfg["algo"] == "sb3-recurrent-ppo" and cfg["policy_kwargs"]["shared_lstm"] is True
+    assert cfg["policy_kwargs"]["enable_critic_lstm"] is False
+    from rlseq.config import UsageError
+
+    with pytest.raises(UsageError, match="--shared-lstm is an option of sb3-contrib's own LSTM"):
+        resolve(build_parser().parse_args(["--env", T1, "--memory", "efla", "--shared-lstm"]))
+    with pytest.raises(UsageError, match="--conv-size sets rlseq's block"):
+        resolve(build_parser().parse_args(["--env", T1, "--memory", "lstm", "--algo", "sb3-recurrent-ppo",
+                                           "--conv-size", "1"]))
+
+
+def test_results_of_another_commit_are_refused(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    _result(out, T1, "efla", 0, 0.5)  # made at "abc" (see _result)
+    runs = M.build_grid([T1, T2], ["efla", "none"], [0, 1], {T1: 1000, T2: 1000})
+    assert M.commit_conflicts(runs, out, "abc") == []
+    bad = M.commit_conflicts(runs, out, "def")
+    assert len(bad) == 1 and "made at abc" in bad[0]
+    assert M.commit_conflicts(M.build_grid([T2], ["efla"], [0], {T2: 1000}), out, "def") == []  # other tasks: fine
+    monkeypatch.setattr(M, "versions", lambda: {"rlseq": "def"})
+    with pytest.raises(SystemExit, match="another rlseq commit than this one \\(def\\)"):
+        bench_main(["memory", "--tasks", T1, "--variants", "efla", "--seeds", "0", "--steps", "1000", "--out",
+                    str(out), "--logdir", str(tmp_path / "runs")])
+
+
+def test_probability_of_improvement_and_budget_check_on_synthetic_data():
+    rows = [{"task": "A", "variant": "efla", "seed": s, "eval_mean": 1.0 + s} for s in range(5)]
+    rows += [{"task": "A", "variant": "gru", "seed": s, "eval_mean": 0.0 + s} for s in range(5)]
+    rows += [{"task": "A", "variant": "none", "seed": s, "eval_mean": 10.0} for s in range(5)]
+    poi = R.probability_of_improvement(pd.DataFrame(rows), reps=200).set_index("variant")
+    # efla beats gru in 15 of 25 pairs and ties 4 (counted half): (15 + 2) / 25
+    assert poi.loc["gru", "poi"] == pytest.approx(17 / 25) and poi.loc["none", "poi"] == 0.0
+    assert poi.loc["gru", "ci_low"] <= poi.loc["gru", "poi"] <= poi.loc["gru", "ci_high"]
+    assert poi.loc["none", "ci_high"] == 0.0 and set(poi["n"]) == {5}
+    steps = np.arange(0, 1001, 50)
+    curves = pd.concat([
+        pd.DataFrame({"task": "A", "variant": "efla", "seed": 0, "step": steps, "value": steps / 1000}),  # rising
+        pd.DataFrame({"task": "A", "variant": "gru", "seed": 0, "step": steps, "value": np.minimum(steps, 500) / 500}),
+    ])
+    summary = pd.DataFrame({"task": ["A", "A"], "variant": ["efla", "gru"], "iqm": [1.0, 0.9]})
+    check = R.budget_check(curves, summary).set_index("variant")
+    assert check.loc["efla", "gain"] == pytest.approx(0.2, abs=0.01) and not check.loc["efla", "flat"]
+    assert check.loc["gru", "gain"] == pytest.approx(0.0) and check.loc["gru", "flat"]
+
+
+def test_the_horizon_task_rewards_the_card_lag_steps_back_and_resets_clear_it():
+    """rlseq/RepeatPreviousLagL-v0: an answer earns +1/(scored steps) when it names the card seen L steps before
+    the current one and the negative otherwise; the first L steps are not scored; a new episode starts from an
+    empty history; returns of a perfect, a one-off and a random policy are 1, below 0 and about -0.5."""
+    import gymnasium as gym
+
+    from rlseq.envs.gym import resolve_env_id
+    from rlseq.tasks import HORIZON_LAGS, horizon_lag, horizon_task
+
+    assert horizon_task(8) == "rlseq/RepeatPreviousLag8-v0" and horizon_lag(horizon_task(8)) == 8
+    assert horizon_lag("popgym-RepeatPreviousEasy-v0") is None and HORIZON_LAGS[-1] == 64
+    assert [t for t in M.HORIZON_TASKS] == [horizon_task(lag) for lag in HORIZON_LAGS]
+    with pytest.raises(ValueError, match="lags: 1, 2, 4"):
+        horizon_task(3)
+    assert resolve_env_id(horizon_task(4)).family == "popgym"  # POPGym's hyperparameters
+    for lag in (1, 8):
+        env = gym.make(horizon_task(lag))
+        for policy in ("perfect", "off-by-one", "random"):
+            returns = []
+            for episode in range(2):  # the second episode checks that the reset cleared the history
+                obs, _ = env.reset(seed=episode)
+                seen, done, scored = [int(obs)], False, 0
+                rng = np.random.default_rng(episode)
+                while not done:
+                    t = len(seen) - 1
+                    target = seen[t - lag] if t >= lag else 0
+                    action = {"perfect": target, "off-by-one": seen[t - lag + 1] if t >= lag else 0,
+                              "random": int(rng.integers(4))}[policy]
+                    obs, reward, terminated, truncated, _ = env.step(action)
+                    returns.append(float(reward))
+                    if t < lag:
+                        assert reward == 0.0  # not scored: the card lag steps back does not exist yet
+                    else:
+                        scored += 1
+                        assert reward == pytest.approx((1 if action == target else -1) / (104 - lag - 1))
+                    seen.append(int(obs))
+                    done = terminated or truncated
+                assert scored == 103 - lag
+            total = sum(returns) / 2  # per episode
+            if policy == "perfect":
+                assert total == pytest.approx(1.0)
+            elif policy == "off-by-one":  # the neighbouring card matches only by chance
+                assert total < 0
+            else:
+                assert -0.8 < total < -0.2
+        env.close()
     parser = __import__("argparse").ArgumentParser()
     M.add_arguments(parser)
     g = M.resolve_grid(parser.parse_args(["--quick", "--seeds", "7"]))
     assert g["tasks"] == list(M.QUICK["tasks"]) and g["variants"] == list(M.QUICK["variants"]) and g["seeds"] == [7]
     assert set(g["steps"].values()) == {M.QUICK["steps"]} and g["out"] == Path(M.QUICK_OUT)
     full = M.resolve_grid(parser.parse_args(["--jobs", "3", "--out", "x/bench"]))
-    assert full["tasks"] == list(M.TASKS) and full["variants"] == M.variants() and full["seeds"] == list(M.SEEDS)
+    assert full["tasks"] == list(M.TASKS) and full["variants"] == list(M.DEFAULT_VARIANTS)
+    assert full["seeds"] == list(M.SEEDS) and len(M.SEEDS) >= 5
     assert full["steps"][T1] == M.TASK_STEPS.get(T1, M.DEFAULT_STEPS) and full["logdir"] == Path("runs/bench")
     with pytest.raises(SystemExit, match="unknown variant"):
         M.resolve_grid(parser.parse_args(["--variants", "transformer"]))

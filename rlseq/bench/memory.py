@@ -1,25 +1,29 @@
-"""``python -m rlseq.bench memory``: does each memory remember? PPO on POPGym tasks, per variant, seed and task.
+"""``python -m rlseq.bench memory``: does each memory remember, and how far back? PPO on recall tasks, per
+variant, seed and task.
 
-    python -m rlseq.bench memory --quick         # a slice, 9.1 min on 2 cores: runs/memory_benchmark_quick.md
-    python -m rlseq.bench memory --jobs 16       # the full grid into docs/memory_benchmark/
+    python -m rlseq.bench memory --quick         # a slice on 2 cores: runs/memory_benchmark_quick.md
+    python -m rlseq.bench memory --jobs 64       # the full grid into docs/memory_benchmark/
     python -m rlseq.bench memory --report-only --out docs/memory_benchmark   # docs/memory_benchmark.md again
 
-The grid is tasks x variants x seeds: the variants are rlseq's memories (``MEMORIES``, trained by MemoryPPO with
-``configs/popgym.yml``) and ``sb3-lstm``, stock sb3-contrib RecurrentPPO with ``MlpLstmPolicy`` as the outside
-anchor. Every run of a task gets the same env-step budget. Each run is one ``python -m rlseq.train`` process with
-one torch thread (its folder ``<logdir>/<task>/<variant>/seed<S>/``, log in ``train.log``), then, in the same
-worker, an evaluation of its final model on new episodes; the worker writes the run's result JSON and its curve
-CSV under ``<out>/results/`` (see :mod:`rlseq.bench.memory_report`), atomically, and ``<out>/benchmark.json``
-records each invocation. ``--jobs`` workers run side by side.
+The tasks: the memory-horizon sweep (``rlseq/RepeatPreviousLag{L}-v0``, the card L = 1 ... 64 steps back), two
+long-range POPGym tasks at Medium and POPGym's ten Easy tasks. The variants: rlseq's memories in the shared block
+(``MEMORIES``, trained by MemoryPPO with ``configs/popgym.yml``), the same with ``conv_size=1``
+(``<memory>-conv1``: no window, so the window's share of a result shows), and stock sb3-contrib RecurrentPPO with
+its own LSTM as outside anchors (``sb3-lstm``: its defaults; ``sb3-lstm-shared``: one shared LSTM). Every run of a
+task gets the same env-step budget. Each run is one ``python -m rlseq.train`` process with one torch thread (its
+folder ``<logdir>/<task>/<variant>/seed<S>/``, log in ``train.log``), then, in the same worker, an evaluation of
+its final model on new episodes; the worker writes the run's result JSON and its curve CSV under
+``<out>/results/`` (see :mod:`rlseq.bench.memory_report`), atomically, and ``<out>/benchmark.json`` records each
+invocation. ``--jobs`` workers run side by side.
 
 Resuming: the same command again skips every run with a result, only evaluates a run whose training finished,
 and continues an interrupted run from its last checkpoint (``--resume``). A run that fails is reported with the
 end of its log while the others go on; it is tried again by the next invocation. Ctrl-C stops the running
-trainers at once (they keep their last checkpoint). Results made with another budget are refused, so that no
-task mixes budgets: choose another ``--out`` (and ``--logdir``).
+trainers at once (they keep their last checkpoint). Results made with another budget, or at another rlseq
+commit, are refused, so that no task mixes budgets or commits: choose another ``--out`` (and ``--logdir``).
 
-The report ``<out>.md`` (with ``<out>/curves.png``) is rewritten at the end of every invocation, and by
-``--report-only`` from the result files alone.
+The report ``<out>.md`` (with ``<out>/curves.png`` and ``<out>/horizon.png``) is rewritten at the end of every
+invocation, and by ``--report-only`` from the result files alone.
 """
 
 from __future__ import annotations
@@ -41,18 +45,28 @@ from rlseq.bench.memory_report import (CURVES_PNG, MANIFEST, random_path, read_m
 from rlseq.bench.timing import cpu_model
 from rlseq.sweep import _stop_with_parent, _train_once, log_tail
 
-TASKS = ("popgym-RepeatPreviousEasy-v0", "popgym-RepeatFirstEasy-v0", "popgym-CountRecallEasy-v0",
-         "popgym-AutoencodeEasy-v0", "popgym-PositionOnlyCartPoleEasy-v0", "popgym-VelocityOnlyCartpoleEasy-v0",
-         "popgym-NoisyPositionOnlyPendulumEasy-v0", "popgym-HigherLowerEasy-v0", "popgym-MineSweeperEasy-v0",
-         "popgym-BattleshipEasy-v0")
+EASY_TASKS = ("popgym-RepeatPreviousEasy-v0", "popgym-RepeatFirstEasy-v0", "popgym-CountRecallEasy-v0",
+              "popgym-AutoencodeEasy-v0", "popgym-PositionOnlyCartPoleEasy-v0", "popgym-VelocityOnlyCartpoleEasy-v0",
+              "popgym-NoisyPositionOnlyPendulumEasy-v0", "popgym-HigherLowerEasy-v0", "popgym-MineSweeperEasy-v0",
+              "popgym-BattleshipEasy-v0")
+# the memory-horizon sweep: recall of the card L steps back, L = 1 ... 64 (rlseq.tasks)
+HORIZON_TASKS = tuple(f"rlseq/RepeatPreviousLag{lag}-v0" for lag in (1, 2, 4, 8, 16, 32, 64))
+# long-range tasks beyond any window
+LONG_TASKS = ("popgym-RepeatFirstMedium-v0", "popgym-CountRecallMedium-v0")
+TASKS = (*HORIZON_TASKS, *LONG_TASKS, *EASY_TASKS)
 DEFAULT_STEPS = 100_000
-# tasks that need more env steps than DEFAULT_STEPS to tell the memories apart (every variant gets the same)
-TASK_STEPS: dict[str, int] = {}
-ANCHOR = "sb3-lstm"
-SEEDS = (0, 1, 2)
+# the tasks that discriminate get budgets long enough for the best variants' curves to flatten (the report checks
+# it); every variant of a task gets the same
+TASK_STEPS: dict[str, int] = {**dict.fromkeys(HORIZON_TASKS, 500_000), **dict.fromkeys(LONG_TASKS, 500_000)}
+SEEDS = (0, 1, 2, 3, 4)
 EPISODES = 64
-# the first thing a new user runs: memory against no memory on three core tasks, at the full grid's budget
-QUICK = {"tasks": ("popgym-RepeatPreviousEasy-v0", "popgym-RepeatFirstEasy-v0", "popgym-PositionOnlyCartPoleEasy-v0"),
+# the control suffix: the same memory with conv_size 1, so that the window's share of a result shows
+NO_WINDOW = "-conv1"
+# sb3-contrib's RecurrentPPO with its own LSTM: at its defaults (a separate critic LSTM) and with one shared LSTM
+ANCHORS = {"sb3-lstm": [], "sb3-lstm-shared": ["--shared-lstm"]}
+ANCHOR = "sb3-lstm"
+# the first thing a new user runs: memory against no memory inside and beyond the window, at a short budget
+QUICK = {"tasks": ("rlseq/RepeatPreviousLag2-v0", "rlseq/RepeatPreviousLag8-v0", "popgym-RepeatFirstEasy-v0"),
          "variants": ("efla", "gru", "none"), "seeds": (0,), "steps": DEFAULT_STEPS}
 DEFAULT_OUT = "docs/memory_benchmark"
 QUICK_OUT = "runs/memory_benchmark_quick"
@@ -61,10 +75,14 @@ EVAL_ENVS = 16
 
 
 def variants() -> list[str]:
-    """rlseq's memories, then the sb3-contrib anchor."""
+    """rlseq's memories, their no-window controls (``<memory>-conv1``), then the sb3-contrib anchors."""
     from rlseq.policies.memory import MEMORIES
 
-    return [*MEMORIES, ANCHOR]
+    return [*MEMORIES, *(m + NO_WINDOW for m in MEMORIES), *ANCHORS]
+
+
+DEFAULT_VARIANTS = ("efla", "deltanet", "gru", "lstm", "none", "efla-conv1", "none-conv1", "sb3-lstm",
+                    "sb3-lstm-shared")
 
 
 @dataclass(frozen=True)
@@ -84,23 +102,44 @@ class BenchRun:
         """The run folder ``python -m rlseq.train`` writes for this run."""
         from rlseq.train import run_dir
 
-        memory, algo = self._memory_algo()
-        return run_dir(logdir, {"env": self.task, "memory": memory, "algo": algo, "seed": self.seed})
+        memory, algo, _, tag = self._train_settings()
+        return run_dir(logdir, {"env": self.task, "memory": memory, "algo": algo, "seed": self.seed, "tag": tag})
 
     def train_argv(self, logdir: str | Path, *, device: str, extra: list[str] = ()) -> list[str]:
-        memory, algo = self._memory_algo()
+        memory, algo, flags, tag = self._train_settings()
         return ["--env", self.task, "--memory", memory, "--algo", algo, "--seed", str(self.seed),
                 "--logdir", str(logdir), "--total-steps", str(self.steps),
                 "--checkpoint-every", str(max(1, self.steps // CHECKPOINTS_PER_RUN)), "--device", device,
-                *extra, "--resume", "--no-progress-bar"]
+                *flags, *(["--tag", tag] if tag else []), *extra, "--resume", "--no-progress-bar"]
 
-    def _memory_algo(self) -> tuple[str, str]:
-        return ("lstm", "sb3-recurrent-ppo") if self.variant == ANCHOR else (self.variant, "rlseq")
+    def _train_settings(self) -> tuple[str, str, list[str], str | None]:
+        """(memory, algo, extra train flags, tag) of the variant."""
+        if self.variant in ANCHORS:
+            return "lstm", "sb3-recurrent-ppo", ANCHORS[self.variant], ("shared" if ANCHORS[self.variant] else None)
+        if self.variant.endswith(NO_WINDOW):
+            return self.variant[: -len(NO_WINDOW)], "rlseq", ["--conv-size", "1"], NO_WINDOW[1:]
+        return self.variant, "rlseq", [], None
 
 
 def build_grid(tasks: list[str], variant_names: list[str], seeds: list[int], steps: dict[str, int]) -> list[BenchRun]:
     """Seed-major, so that a grid cut short has every task and variant at the seeds it reached."""
     return [BenchRun(t, v, int(s), int(steps[t])) for s in seeds for t in tasks for v in variant_names]
+
+
+def commit_conflicts(runs: list[BenchRun], out: Path, commit: str) -> list[str]:
+    """Results in ``out`` of the tasks of ``runs`` made at another rlseq commit than ``commit``: a table's rows
+    must come from one commit."""
+    tasks = {r.task for r in runs}
+    bad = []
+    root = out / "results"
+    for task in sorted(tasks):
+        for path in sorted((root / task).rglob("seed*.json")) if (root / task).is_dir() else []:
+            if path.name.endswith(".failed.json"):
+                continue
+            had = (json.loads(path.read_text()).get("versions") or {}).get("rlseq", "unknown")
+            if had != commit:
+                bad.append(f"{path}: made at {had}")
+    return bad
 
 
 def is_done(run: BenchRun, out: Path) -> bool:
@@ -141,7 +180,7 @@ def budget_conflicts(runs: list[BenchRun], out: Path, logdir: Path) -> list[str]
 # ------------------------------------------------------------------------------------------------ environment
 def versions() -> dict[str, str]:
     """Python, the libraries a result depends on, and rlseq's git commit (``+dirty``: rlseq/ or configs/ had
-    uncommitted changes)."""
+    uncommitted changes; without a git folder, ``$RLSEQ_COMMIT`` or ``unknown``)."""
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
@@ -159,7 +198,8 @@ def versions() -> dict[str, str]:
                                capture_output=True, text=True, check=True).stdout.strip()
         out["rlseq"] = commit + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        out["rlseq"] = "unknown"
+        # a copy of the tree without its git folder (a GPU host): the commit it was copied at, if the caller says
+        out["rlseq"] = os.environ.get("RLSEQ_COMMIT", "unknown")
     return out
 
 
@@ -312,8 +352,9 @@ def execute(runs: list[BenchRun], out: Path, logdir: Path, *, jobs: int, episode
 
     from tqdm.auto import tqdm
 
-    # the anchor trains several times slower per step on the CPU: first within its seed, it does not end the grid alone
-    todo = sorted((r for r in runs if not is_done(r, out)), key=lambda r: (r.seed, r.variant != ANCHOR))
+    # the anchors train several times slower per step on the CPU: first within their seed, so they do not end the
+    # grid alone
+    todo = sorted((r for r in runs if not is_done(r, out)), key=lambda r: (r.seed, r.variant not in ANCHORS))
     answers: dict[str, list[dict[str, Any]]] = {"done": [], "failed": [], "stopped": []}
     if not todo:
         return answers
@@ -387,7 +428,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"gymnasium ids (default: the {len(TASKS)} POPGym Easy tasks: "
                              f"{', '.join(short_task(t) for t in TASKS)})")
     parser.add_argument("--variants", nargs="+", default=None, metavar="VARIANT",
-                        help=f"rlseq memories and {ANCHOR} (sb3-contrib RecurrentPPO MlpLstmPolicy); default: all")
+                        help="rlseq memories (efla, deltanet, gru, lstm, none), each also as <memory>-conv1 (the "
+                             "same block without the convolution's window: the control for what the window alone "
+                             f"explains), and sb3-contrib RecurrentPPO's own LSTM: {', '.join(ANCHORS)} (its "
+                             f"defaults; one LSTM shared by actor and critic); default: {' '.join(DEFAULT_VARIANTS)}")
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help=f"default: {' '.join(map(str, SEEDS))}")
     parser.add_argument("--steps", type=_count, default=None,
                         help=f"env steps of every run (default: {DEFAULT_STEPS:,} per task"
@@ -427,7 +471,7 @@ def resolve_grid(args: argparse.Namespace) -> dict[str, Any]:
     quick = args.quick
     tasks = list(args.tasks or (QUICK["tasks"] if quick else TASKS))
     known = variants()
-    wanted = list(args.variants or (QUICK["variants"] if quick else known))
+    wanted = list(args.variants or (QUICK["variants"] if quick else DEFAULT_VARIANTS))
     unknown = [v for v in wanted if v not in known]
     if unknown:
         raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(known)}")
@@ -492,6 +536,13 @@ def main(args: argparse.Namespace) -> None:
             argv = r.train_argv(logdir, device=args.device, extra=g["extra"])
             print(f"{state:>16}  python -m rlseq.train {shlex.join(argv)}")
         return
+    commit = versions()["rlseq"]
+    stale = commit_conflicts(runs, out, commit)
+    if stale:
+        shown = "\n  ".join(stale[:8]) + (f"\n  (+{len(stale) - 8} more)" if len(stale) > 8 else "")
+        raise SystemExit(f"error: {len(stale)} result(s) of these tasks were made at another rlseq commit than this "
+                         f"one ({commit}), and a table's rows come from one commit: choose another --out and "
+                         f"--logdir, or remove them (or check out their commit):\n  {shown}")
     print(f"memory benchmark: {len(runs)} runs ({len(g['tasks'])} tasks x {len(g['variants'])} variants x "
           f"{len(g['seeds'])} seeds), {len(runs) - len(todo)} done already, {len(todo)} to run on {g['jobs']} jobs; "
           f"results in {out / 'results'}, run folders in {logdir}", flush=True)

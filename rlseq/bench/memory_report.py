@@ -31,6 +31,9 @@ import pandas as pd
 MANIFEST = "benchmark.json"
 RESULTS = "results"
 CURVES_PNG = "curves.png"
+HORIZON_PNG = "horizon.png"
+REFERENCE = "efla"  # the memory the probability-of-improvement table compares with every other variant
+FLAT_GAIN = 0.05  # a curve whose last 20% gains less than this has flattened (the budget check)
 NOTES = "notes.md"  # optional, hand-written: appended to the report as it is
 MEMORYLESS = "none"
 REPS = 2000  # bootstrap resamples of each CI
@@ -55,8 +58,9 @@ def random_path(out: str | Path, task: str) -> Path:
 
 
 def short_task(task: str) -> str:
-    """``popgym-RepeatPreviousEasy-v0`` -> ``RepeatPreviousEasy`` (table rows and panel titles)."""
-    name = task.removeprefix("popgym-")
+    """``popgym-RepeatPreviousEasy-v0`` -> ``RepeatPreviousEasy``, ``rlseq/RepeatPreviousLag8-v0`` ->
+    ``RepeatPreviousLag8`` (table rows and panel titles)."""
+    name = task.removeprefix("popgym-").removeprefix("rlseq/")
     head, sep, version = name.rpartition("-v")
     return head if sep and version.isdigit() else name
 
@@ -190,7 +194,107 @@ def speeds(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
     return per_task, d.groupby("variant", sort=False)["env_steps_per_s"].median()
 
 
+def probability_of_improvement(runs: pd.DataFrame, reference: str = REFERENCE, *, reps: int = REPS,
+                               seed: int = 0) -> pd.DataFrame:
+    """Per task and variant X other than ``reference``: P(reference > X), the probability that a run of the
+    reference scores above a run of X (rliable's Mann-Whitney form, ties counting half), with its 95% stratified
+    bootstrap CI (seeds resampled independently per variant). Columns task, variant, n_ref, n, poi, ci_low,
+    ci_high. Above 0.5 with a CI above 0.5: the reference is better on that task."""
+    from rlseq.compare.stats import _rliable, _seeded_global_rng
+
+    library, metrics = _rliable()
+    rows = []
+    for task, d in runs.groupby("task", sort=False):
+        ref = d.loc[d["variant"] == reference, "eval_mean"].to_numpy(np.float64)
+        if len(ref) == 0:
+            continue
+        for variant, o in d[d["variant"] != reference].groupby("variant", sort=False):
+            other = o["eval_mean"].to_numpy(np.float64)
+            poi = float(metrics.probability_of_improvement(ref[:, None], other[:, None]))
+            lo = hi = math.nan
+            if min(len(ref), len(other)) > 1:
+                with _seeded_global_rng(seed):
+                    _, ci = library.get_interval_estimates(
+                        {"pair": (ref[:, None], other[:, None])},
+                        lambda x, y: np.array([metrics.probability_of_improvement(x, y)]),
+                        reps=reps, random_state=np.random.RandomState(seed))
+                lo, hi = float(ci["pair"][0][0]), float(ci["pair"][1][0])
+            rows.append({"task": task, "variant": variant, "n_ref": len(ref), "n": len(other), "poi": poi,
+                         "ci_low": lo, "ci_high": hi})
+    return pd.DataFrame(rows, columns=["task", "variant", "n_ref", "n", "poi", "ci_low", "ci_high"])
+
+
+def budget_check(curves: pd.DataFrame, summary: pd.DataFrame, *, tail: float = 0.2, top: int = 2) -> pd.DataFrame:
+    """Has the budget let the curves flatten? Per task, for its ``top`` variants by IQM: the gain of the
+    seed-mean ``rollout/ep_rew_mean`` curve over the last ``tail`` of the budget (its value at the end minus at
+    ``1 - tail`` of the last step, each the mean of the points logged within 2% of the budget there). Columns
+    task, variant, gain, flat (gain < :data:`FLAT_GAIN`)."""
+    rows = []
+    for task, s in summary.groupby("task", sort=False):
+        for variant in s.sort_values("iqm", ascending=False)["variant"].head(top):
+            c = curves[(curves["task"] == task) & (curves["variant"] == variant)]
+            if c.empty:
+                continue
+            mean = c.groupby("step")["value"].mean().sort_index()
+            end = float(mean.index.max())
+            band = 0.02 * end
+
+            def near(x: float) -> float:
+                window = mean[(mean.index >= x - band) & (mean.index <= x + band)]
+                return float(window.mean()) if len(window) else float(mean.iloc[(abs(mean.index - x)).argmin()])
+
+            gain = near(end) - near((1 - tail) * end)
+            rows.append({"task": task, "variant": variant, "gain": gain, "flat": gain < FLAT_GAIN})
+    return pd.DataFrame(rows, columns=["task", "variant", "gain", "flat"])
+
+
+def horizon_rows(summary: pd.DataFrame) -> pd.DataFrame:
+    """The summary rows of the horizon tasks with their lag (``rlseq.tasks.horizon_lag``), sorted by lag."""
+    from rlseq.tasks import horizon_lag
+
+    lags = summary["task"].map(horizon_lag)
+    return summary.assign(lag=lags)[lags.notna()].astype({"lag": "int64"}).sort_values(["lag", "variant"])
+
+
 # ------------------------------------------------------------------------------------------------- figures
+def plot_horizon(summary: pd.DataFrame, path: str | Path, variants: list[str],
+                 random: dict[str, dict[str, Any]] | None = None) -> Path | None:
+    """Final return against lag (log2 axis) per variant, IQM with its 95% CI as error bars; None without
+    horizon results."""
+    h = horizon_rows(summary)
+    if h.empty:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, v in enumerate([v for v in variants if v in set(h["variant"])]):
+        d = h[h["variant"] == v]
+        lo = (d["iqm"] - d["ci_low"]).clip(lower=0).fillna(0)
+        hi = (d["ci_high"] - d["iqm"]).clip(lower=0).fillna(0)
+        style = "--" if v.endswith("-conv1") or v.startswith("sb3-") else "-"
+        ax.errorbar(d["lag"] * (1 + 0.03 * (i - 3)), d["iqm"], yerr=[lo, hi], label=v, linestyle=style,
+                    marker="o", capsize=3)
+    chance = [r["mean"] for t, r in (random or {}).items() if t in set(h["task"])]
+    if chance:
+        ax.axhline(float(np.mean(chance)), color="grey", linestyle=":", label="random actions")
+    ax.axvspan(0.7, 3.5, color="tab:blue", alpha=0.08, label="inside the width-4 window")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("lag L: the card to name was seen L steps ago")
+    ax.set_ylabel("final evaluation return (IQM, 95% CI)")
+    ax.set_title("How far back each memory remembers (RepeatPreviousLag)")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+
 def plot(curves: pd.DataFrame, path: str | Path) -> Path | None:
     """Training curves of ``rollout/ep_rew_mean``: one panel per task, mean over seeds with a ±std band per
     variant (:func:`rlseq.compare.plot_curves`). None when there is no curve."""
@@ -222,18 +326,24 @@ def _ordered(names: list[str], preferred: list[str]) -> list[str]:
     return [v for v in dict.fromkeys(preferred) if v in names] + sorted(set(names) - set(preferred))
 
 
-def render(res: Results, out: str | Path, *, png: Path | None, reps: int = REPS) -> str:
+def render(res: Results, out: str | Path, *, png: Path | None, reps: int = REPS,
+           horizon_png: Path | None = None) -> str:
     """The report's markdown (links relative to the report's folder)."""
     out = Path(out)
     summary, tasks, variants = _layout(res, reps)
     regenerate = f"python -m rlseq.bench memory --report-only --out {out.as_posix()}"
-    lines = ["# Memory benchmark on POPGym", "",
-             "Does each memory remember? Every variant trains with PPO on the same POPGym tasks, seeds and env-step "
-             "budget, then plays new episodes with its final weights. Written by "
+    lines = ["# Memory benchmark", "",
+             "Does each memory remember, and how far back? Every variant trains with PPO on the same recall tasks "
+             "(a memory-horizon sweep and POPGym tasks), seeds and env-step budget, then plays new episodes with its "
+             "final weights. Written by "
              f"`{regenerate}` from the per-run results in `{out.as_posix()}/{RESULTS}/`; do not edit by hand.", ""]
     lines += _provenance(res)
     lines += _budget(res, tasks)
+    lines += _horizon_section(res, summary, variants, out, horizon_png)
     lines += _returns_table(res, summary, tasks, variants, reps)
+    lines += _poi_section(res.runs, tasks, variants, reps)
+    lines += _spread_section(res.runs, tasks, variants)
+    lines += _budget_check_section(res.curves, summary, tasks)
     lines += _verdict_lines(summary, tasks, variants)
     lines += _speed_table(res.runs, tasks, variants)
     if png is not None:
@@ -311,7 +421,8 @@ def _returns_table(res: Results, summary: pd.DataFrame, tasks: list[str], varian
             f"IQM over seeds of each run's mean evaluation return, with its 95% percentile stratified-bootstrap CI "
             f"(rliable, {reps} resamples; the IQM is the mean below 4 seeds). `random`: the mean return of "
             "uniformly random actions (chance); `none`: the same network without memory (the memoryless "
-            "reference)." + (" POPGym returns lie in [-1, 1]." if all(t.startswith("popgym-") for t in tasks) else ""),
+            "reference)." + (" Returns lie in [-1, 1]." if all(t.startswith(("popgym-", "rlseq/RepeatPrevious")) for t in tasks)
+               else ""),
             "", *_returns_rows(res, summary, tasks, variants), ""]
 
 
@@ -325,6 +436,85 @@ def _returns_rows(res: Results, summary: pd.DataFrame, tasks: list[str], variant
         row += [_cell(cells[t, v]) if (t, v) in cells else "–" for v in variants]
         lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def _horizon_section(res: Results, summary: pd.DataFrame, variants: list[str], out: Path,
+                     png: Path | None) -> list[str]:
+    h = horizon_rows(summary)
+    if h.empty:
+        return []
+    lags = sorted(h["lag"].unique())
+    cells = {(r.variant, r.lag): r for r in h.itertuples()}
+    chance = {int(lag): res.random.get(t, {}).get("mean") for t, lag in zip(h["task"], h["lag"])}
+    lines = ["## Memory horizon", "",
+             "RepeatPreviousLag L: name the suit of the card seen L steps ago (POPGym's RepeatPrevious, two decks, 103 "
+             "steps an episode). Final evaluation return, IQM over seeds [95% CI]; 1 is perfect recall, -0.5 is "
+             "chance. The block's front end (a width-4 convolution, every memory's, `none` included) sees lags up "
+             "to 3 without any memory; `-conv1` variants have no window.", "",
+             "| variant | " + " | ".join(f"L={lag}" for lag in lags) + " |", "|---|" + "---:|" * len(lags)]
+    lines.append("| random | " + " | ".join(_num(chance.get(int(lag))) if chance.get(int(lag)) is not None
+                                             else "n/a" for lag in lags) + " |")
+    for v in [v for v in variants if any((v, lag) in cells for lag in lags)]:
+        lines.append(f"| {v} | " + " | ".join(_cell(cells[v, lag]) if (v, lag) in cells else "–" for lag in lags)
+                     + " |")
+    lines.append("")
+    if png is not None:
+        rel = Path(os.path.relpath(png, report_path(out).parent)).as_posix()
+        lines += [f"![memory horizon]({rel})", ""]
+    return lines
+
+
+def _poi_section(runs: pd.DataFrame, tasks: list[str], variants: list[str], reps: int) -> list[str]:
+    poi = probability_of_improvement(runs, reps=reps)
+    if poi.empty:
+        return []
+    others = [v for v in variants if v in set(poi["variant"])]
+    cells = {(r.task, r.variant): r for r in poi.itertuples()}
+
+    def cell(r: Any) -> str:
+        return f"{r.poi:.2f} [{_num(r.ci_low)}, {_num(r.ci_high)}]" if np.isfinite(r.ci_low) else f"{r.poi:.2f}"
+
+    lines = [f"## Probability of improvement of {REFERENCE}", "",
+             f"P({REFERENCE} > X): the probability that a seed of {REFERENCE} ends above a seed of X on the task (ties "
+             f"count half), with its 95% stratified-bootstrap CI (rliable, {reps} resamples). Above 0.5 with the CI "
+             f"above 0.5: {REFERENCE} is better; below 0.5 with the CI below: X is better.", "",
+             "| task | " + " | ".join(others) + " |", "|---|" + "---:|" * len(others)]
+    for t in tasks:
+        if any((t, v) in cells for v in others):
+            lines.append(f"| {short_task(t)} | " + " | ".join(cell(cells[t, v]) if (t, v) in cells else "–"
+                                                             for v in others) + " |")
+    return lines + [""]
+
+
+def _spread_section(runs: pd.DataFrame, tasks: list[str], variants: list[str]) -> list[str]:
+    if runs.empty or runs.groupby(["task", "variant"]).size().max() < 2:
+        return []
+    std = runs.groupby(["task", "variant"])["eval_mean"].std(ddof=1).unstack("variant")
+    cols = [v for v in variants if v in std.columns]
+    lines = ["## Spread across seeds", "",
+             "Standard deviation over seeds of the final evaluation return (the same runs as the table above).", "",
+             "| task | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+    for t in tasks:
+        if t in std.index:
+            lines.append(f"| {short_task(t)} | " + " | ".join(_num(std.loc[t, v]) for v in cols) + " |")
+    median = std[cols].median()
+    lines.append("| **median over tasks** | " + " | ".join(f"**{_num(median[v])}**" for v in cols) + " |")
+    return lines + [""]
+
+
+def _budget_check_section(curves: pd.DataFrame, summary: pd.DataFrame, tasks: list[str]) -> list[str]:
+    check = budget_check(curves, summary)
+    if check.empty:
+        return []
+    lines = ["## Budget check", "",
+             f"Has each task's budget let the curves flatten? For the two best variants of each task: the gain of "
+             f"the seed-mean training curve over the last 20% of the budget; below {FLAT_GAIN} counts as flat. A "
+             "task marked *rising* may separate the variants further with more env steps.", "",
+             "| task | variant | gain over the last 20% | verdict |", "|---|---|---:|---|"]
+    for t in tasks:
+        for r in check[check["task"] == t].itertuples():
+            lines.append(f"| {short_task(t)} | {r.variant} | {r.gain:+.3f} | {'flat' if r.flat else '*rising*'} |")
+    return lines + [""]
 
 
 def _verdict_lines(summary: pd.DataFrame, tasks: list[str], variants: list[str]) -> list[str]:
@@ -386,6 +576,10 @@ def write_report(out: str | Path, *, reps: int = REPS) -> Path:
         raise FileNotFoundError(f"no result under {out / RESULTS}: run the benchmark first "
                                 "(python -m rlseq.bench memory --out ...)")
     png = plot(res.curves, out / CURVES_PNG)
+    from rlseq.bench.memory import variants as known_variants
+
+    variants = _ordered(list(res.runs["variant"].unique()), [*known_variants(), *res.grid["variants"]])
+    horizon_png = plot_horizon(summarize(res.runs, reps=reps), out / HORIZON_PNG, variants, res.random)
     path = report_path(out)
-    write_text_atomic(path, render(res, out, png=png, reps=reps))
+    write_text_atomic(path, render(res, out, png=png, reps=reps, horizon_png=horizon_png))
     return path
