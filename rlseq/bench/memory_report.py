@@ -275,8 +275,8 @@ def plot_horizon(summary: pd.DataFrame, path: str | Path, variants: list[str],
         lo = (d["iqm"] - d["ci_low"]).clip(lower=0).fillna(0)
         hi = (d["ci_high"] - d["iqm"]).clip(lower=0).fillna(0)
         style = "--" if v.endswith("-conv1") or v.startswith("sb3-") else "-"
-        ax.errorbar(d["lag"] * (1 + 0.03 * (i - 3)), d["iqm"], yerr=[lo, hi], label=v, linestyle=style,
-                    marker="o", capsize=3)
+        ax.errorbar(d["lag"].to_numpy() * (1 + 0.03 * (i - 3)), d["iqm"].to_numpy(),
+                    yerr=[lo.to_numpy(), hi.to_numpy()], label=v, linestyle=style, marker="o", capsize=3)
     chance = [r["mean"] for t, r in (random or {}).items() if t in set(h["task"])]
     if chance:
         ax.axhline(float(np.mean(chance)), color="grey", linestyle=":", label="random actions")
