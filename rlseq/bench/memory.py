@@ -180,7 +180,7 @@ def budget_conflicts(runs: list[BenchRun], out: Path, logdir: Path) -> list[str]
 # ------------------------------------------------------------------------------------------------ environment
 def versions() -> dict[str, str]:
     """Python, the libraries a result depends on, and rlseq's git commit (``+dirty``: rlseq/ or configs/ had
-    uncommitted changes; without a git folder, ``$RLSEQ_COMMIT`` or ``unknown``)."""
+    uncommitted changes; ``$RLSEQ_COMMIT`` when set, for a copy of the tree whose git folder is not its own)."""
     import platform
     from importlib.metadata import PackageNotFoundError, version
 
@@ -190,6 +190,9 @@ def versions() -> dict[str, str]:
             out[dist] = version(dist)
         except PackageNotFoundError:
             out[dist] = "absent"
+    if os.environ.get("RLSEQ_COMMIT"):  # a copy of the tree whose git folder is not its own (a GPU host)
+        out["rlseq"] = os.environ["RLSEQ_COMMIT"]
+        return out
     repo = Path(__file__).resolve().parents[2]
     try:
         commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=repo, capture_output=True, text=True,
@@ -198,8 +201,7 @@ def versions() -> dict[str, str]:
                                capture_output=True, text=True, check=True).stdout.strip()
         out["rlseq"] = commit + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        # a copy of the tree without its git folder (a GPU host): the commit it was copied at, if the caller says
-        out["rlseq"] = os.environ.get("RLSEQ_COMMIT", "unknown")
+        out["rlseq"] = "unknown"
     return out
 
 
