@@ -449,8 +449,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help=f"a slice: {', '.join(short_task(t) for t in QUICK['tasks'])}; "
                              f"{', '.join(QUICK['variants'])}; seeds {', '.join(map(str, QUICK['seeds']))}; "
-                             f"{QUICK['steps']:,} steps (flags given win). Measured: 9.1 min with --jobs 2 on a "
-                             "2-core x86-64 VM that other work shared for part of the time")
+                             f"{QUICK['steps']:,} steps (flags given win): memory inside and beyond the window, a few "
+                             "minutes on 2 cores")
     parser.add_argument("--report-only", action="store_true", help="rewrite <out>.md and <out>/curves.png from "
                                                                    "<out>/results and exit")
     parser.add_argument("--dry-run", action="store_true", help="print each run's state and training command, and exit")
