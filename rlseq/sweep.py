@@ -273,7 +273,10 @@ def _stop_with_parent(parent_pid: int) -> None:
 
 # --- one run: a Ray task on whichever node has its resources ----------------------------------------------
 
-STOPPED_BY = (-signal.SIGINT, -signal.SIGTERM)  # a trainer that died of these was stopped, not failed
+# a trainer that died of SIGINT or SIGTERM, or caught one and exited 128 + its number (rlseq.train does, after its
+# stop checkpoint), was stopped, not failed: a retry would train on after someone (the parent-death signal of a
+# killed sweep's worker, a user's kill) asked it to stop
+STOPPED_BY = tuple(code for sig in (signal.SIGINT, signal.SIGTERM) for code in (-sig, 128 + sig))
 
 
 class Board:

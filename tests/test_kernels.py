@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from rlseq.kernels import chunk_rule, naive_rule, phi, step_rule, unit_key_form
 from rlseq.bench.kernels import random_inputs, rel_err
+from tests.helpers import check_non_finite_stays_in_its_episode
 
 RULES = ("efla", "deltanet")
 FIELDS = ("q", "k", "v", "beta", "initial_state")
@@ -504,3 +505,10 @@ def test_nan_initial_state_does_not_leak_through_a_reset_at_t0(rule, backend):
     step_rule(*(inp[n][:, 0] for n in ("q", "k", "v", "beta")), state, rule=rule, resets=inp["resets"][:, 0],
               backend=backend)
     assert torch.isfinite(state).all()
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_non_finite_inputs_stay_in_their_episode(rule):
+    """A NaN or inf in any input reaches neither the next episode (through a reset inside a chunk) nor the earlier
+    steps of its own chunk, forward and backward: as in the step loop."""
+    check_non_finite_stays_in_its_episode(rule, "torch", torch.float64, "cpu", 1e-10)
