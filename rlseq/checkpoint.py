@@ -122,10 +122,15 @@ def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2) -> Path:
     sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
     meta = {"num_timesteps": model.num_timesteps, "time": time.time(), "files": list(sizes), "sizes": sizes}
     (tmp / "meta.json").write_text(json.dumps(meta))
-    if final.exists():
-        shutil.rmtree(final)
+    aside = None
+    if final.exists():  # a re-save of this step: moved aside, not deleted, until the new one is in place
+        aside = root / f".{final.name}.old{os.getpid()}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
     os.replace(tmp, final)
     write_text_atomic(root / "latest", final.name + "\n")
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     older = [p for p in checkpoint_folders(root) if _step(p) < model.num_timesteps]
     for old in older[keep - 1:]:
         shutil.rmtree(old, ignore_errors=True)
@@ -211,16 +216,27 @@ def latest_checkpoint(root: Path) -> Path | None:
     return next((folder for folder in checkpoint_folders(root) if (folder / "model.zip").is_file()), None)
 
 
-def remove_stale_temporaries(root: Path) -> list[Path]:
-    """Delete the ``.step<N>.tmp<pid>`` folders (and ``.latest.tmp<pid>`` files) that a save killed midway left,
-    those whose pid is not a live process; returns what was deleted."""
-    removed = []
+def remove_stale_temporaries(root: Path) -> list[str]:
+    """Clean up after saves killed midway, those whose pid is not a live process: delete the ``.step<N>.tmp<pid>``
+    folders and ``.latest.tmp<pid>`` files, and put a ``.step<N>.old<pid>`` (a re-saved step's previous copy)
+    back as ``step<N>`` when the new one never took its place, else delete it. Returns one line per action."""
+    done = []
+    for path in sorted(root.glob(".step*.old*")):
+        name, pid = path.name[1:].rsplit(".old", 1)
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if (root / name).exists():
+            shutil.rmtree(path)
+            done.append(f"removed {path}, the previous copy of {name}, which was saved again")
+        else:
+            os.replace(path, root / name)
+            done.append(f"restored {root / name} from {path}: a save of it again was killed midway")
     for path in list(root.glob(".step*.tmp*")) + list(root.glob(".latest.tmp*")):
         pid = path.name.rsplit(".tmp", 1)[1]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-            removed.append(path)
-    return removed
+            done.append(f"removed {path}, left by a checkpoint save that did not finish")
+    return done
 
 
 def _alive(pid: int) -> bool:

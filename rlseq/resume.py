@@ -20,8 +20,8 @@ def _resume_point(folder: Path) -> Path | None:
     from rlseq.checkpoint import checkpoint_folders, remove_stale_temporaries, resumable_checkpoint
 
     root = folder / "checkpoints"
-    for path in remove_stale_temporaries(root) if root.is_dir() else []:
-        print(f"removed {path}, left by a checkpoint save that did not finish", flush=True)
+    for line in remove_stale_temporaries(root) if root.is_dir() else []:
+        print(line, flush=True)
     latest, warnings = resumable_checkpoint(root)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
