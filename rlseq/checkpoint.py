@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecNormalize
@@ -42,6 +43,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 LOCK_NAME = ".lock"
+SETTINGS_NAME = "config.yaml"  # the run's settings, in the run folder and in each checkpoint
 
 
 class RunFolderBusy(RuntimeError):
@@ -106,9 +108,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2) -> Path:
+def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2, settings: dict[str, Any] | None = None) -> Path:
     """Write ``root/step<N>`` atomically and point ``root/latest`` at it; of the older checkpoints keep the newest
-    ``keep - 1`` (a newer one, which a resumed run has not reached again, is never deleted)."""
+    ``keep - 1`` (a newer one, which a resumed run has not reached again, is never deleted). ``settings`` (the
+    run's resolved config) is stored with it as ``config.yaml``: what a resume compares its flags with when the
+    run folder's own copy is gone."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step{model.num_timesteps}"
     tmp = root / f".step{model.num_timesteps}.tmp{os.getpid()}"
@@ -119,6 +123,8 @@ def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2) -> Path:
     if venv is not None:
         venv.save(str(tmp / "vecnormalize.pkl"))
     torch.save(rng_state(), tmp / "rng.pt")
+    if settings is not None:
+        (tmp / SETTINGS_NAME).write_text(yaml.safe_dump(settings, sort_keys=True))
     sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
     meta = {"num_timesteps": model.num_timesteps, "time": time.time(), "files": list(sizes), "sizes": sizes}
     (tmp / "meta.json").write_text(json.dumps(meta))
@@ -261,11 +267,14 @@ class CheckpointCallback(BaseCallback):
     Checked when a rollout starts, i.e. after the previous rollout's update: a checkpoint holds a whole
     number of rollouts *and* their updates, so resuming repeats no update and skips none. :meth:`request_stop`
     (a signal handler's call, see :func:`stop_on_signals`) makes the next rollout start save a checkpoint and
-    end training at the following env step; :attr:`stopped_by` then holds the signal number.
+    end training at the following env step; :attr:`stopped_by` then holds the signal number. ``settings`` is
+    stored with each checkpoint (:func:`save_checkpoint`).
     """
 
-    def __init__(self, root: Path, every: int, keep: int = 2, verbose: int = 0):
+    def __init__(self, root: Path, every: int, keep: int = 2, verbose: int = 0,
+                 settings: dict[str, Any] | None = None):
         super().__init__(verbose)
+        self.settings = settings
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1 env step, got {every}")
         self.root, self.every, self.keep = Path(root), int(every), keep
@@ -287,7 +296,7 @@ class CheckpointCallback(BaseCallback):
         due = self.model.num_timesteps - self._last >= self.every
         if due or (self._stop_asked and checkpoint_problem(self.root / f"step{self.model.num_timesteps}")):
             _flush_event_files(self.logger)  # a checkpoint on disk implies the curves up to it are too
-            path = save_checkpoint(self.model, self.root, self.keep)
+            path = save_checkpoint(self.model, self.root, self.keep, self.settings)
             self._last = self.model.num_timesteps
             if self.verbose:
                 print(f"checkpoint: {path}")

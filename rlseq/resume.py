@@ -41,13 +41,19 @@ RESUME_FREE_KEYS = frozenset({"n_timesteps", "checkpoint_every", "verbose", "dev
 RESUME_STATED_KEYS = ("tf32",)
 
 
-def refuse_changed_settings(cfg: dict[str, Any], folder: Path) -> None:
-    """On ``--resume``: refuse a setting that differs from the run's ``config.yaml``, listing every difference
-    (a key the older file lacks is not compared)."""
+def refuse_changed_settings(cfg: dict[str, Any], folder: Path, checkpoint: Path) -> None:
+    """On ``--resume`` from ``checkpoint``: refuse a setting that differs from the run's ``config.yaml`` (or, when
+    that is gone, the copy saved with the checkpoint), listing every difference (a key the older file lacks is not
+    compared); refuse when there is neither, since nothing would stop any change."""
     path = folder / "config.yaml"
     if not path.exists():
-        print(f"warning: {path} is missing: the settings of the resumed run cannot be checked", file=sys.stderr)
-        return
+        if not (checkpoint / "config.yaml").is_file():
+            raise UsageError(f"--resume: {path} is missing and checkpoint {checkpoint} holds no copy of the run's "
+                             "settings, so changed flags could not be refused; put the run's config.yaml back, or "
+                             "start a new run with another --tag")
+        print(f"warning: {path} is missing: the resumed run's settings are checked against {checkpoint.name}'s copy",
+              file=sys.stderr)
+        path = checkpoint / "config.yaml"
     saved = yaml.safe_load(path.read_text()) or {}
     changed = [f"  {key}: {saved[key]!r} in the run, {cfg[key]!r} now" for key in sorted(set(cfg) & set(saved))
                if key not in RESUME_FREE_KEYS and _comparable(key, cfg[key]) != _comparable(key, saved[key])]

@@ -108,10 +108,12 @@ class Run:
         return f"{self.env}/{self.memory}-{self.condition}/seed{self.seed}"
 
 
-def _flag_argv(flags: dict[str, Any], known: set[str]) -> list[str]:
+def _flag_argv(flags: dict[str, Any], known: dict[str, argparse.Action]) -> list[str]:
     """``{total_steps: 5e6, tf32: true, normalize_reward: false}`` -> ``--total-steps 5000000.0 --tf32 --no-normalize-reward``.
 
-    ``false`` for an on/off flag without a ``--no-`` form (``tf32: false``) just leaves the flag out.
+    ``known``: the training parser's actions by option string. ``false`` for an on/off flag without a ``--no-``
+    form (``tf32: false``) just leaves the flag out. A list is refused unless the flag is repeatable: repeated,
+    a one-value flag would train with its last item only.
     """
     argv: list[str] = []
     for key, value in flags.items():
@@ -129,6 +131,9 @@ def _flag_argv(flags: dict[str, Any], known: set[str]) -> list[str]:
             if "--no-" + key.replace("_", "-") in known:
                 argv.append("--no-" + key.replace("_", "-"))
         elif isinstance(value, list):  # a repeatable flag, e.g. env_package: [a, b]
+            if not isinstance(known[opt], argparse._AppendAction):
+                raise SweepError(f"flag {key!r} takes one value, got the list {value!r}; to train several values, "
+                                 "make each one a condition (conditions: {name: {" + key + ": value}})")
             for item in value:
                 argv += [opt, str(item)]
         elif value is not None:
@@ -184,7 +189,7 @@ def expand(spec: dict[str, Any], only: dict[str, set[str]] | None = None, logdir
             raise SweepError(f"--only {key}={','.join(missing)}: not in the grid; valid {key} values: {', '.join(grid[key])}")
     logdir = str(logdir if logdir is not None else spec["logdir"])
     parser = build_parser()
-    known = set(parser._option_string_actions)
+    known = parser._option_string_actions
     runs = []
     for seed, (cond, cflags), env, memory in itertools.product(
             spec["seeds"], spec["conditions"].items(), spec["envs"], spec["memories"]):

@@ -4,6 +4,7 @@ leftovers of killed saves, and --resume of a run folder that does not exist."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -148,6 +149,39 @@ def test_resume_with_other_hyperparameters_is_refused_with_every_difference_and_
     # the budget may grow: recorded as it now is
     train_main(_argv(interrupted, 64, "--resume"))
     assert yaml.safe_load(config.read_text())["n_timesteps"] == 64
+
+
+def test_resume_without_config_yaml_checks_the_checkpoints_copy_of_the_settings_or_refuses(interrupted, capsys):
+    folder = _folder(interrupted)
+    (folder / "config.yaml").unlink()
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(interrupted, 64, "--resume", "--learning-rate", "0.1", "--n-envs", "8"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:   learning_rate: 0.0005 in the run, 0.1 now" in err and "error:   n_envs: 2 in the run, 8 now" in err
+    assert not (folder / "config.yaml").exists()
+    step48 = folder / "checkpoints" / "step48"
+    saved = {name: (step48 / name).read_bytes() for name in ("config.yaml", "meta.json")}
+    meta = json.loads(saved["meta.json"])  # as a checkpoint of an older version: no config.yaml in it
+    (step48 / "config.yaml").unlink()
+    meta["files"].remove("config.yaml")
+    del meta["sizes"]["config.yaml"]
+    (step48 / "meta.json").write_text(json.dumps(meta))
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(interrupted, 64, "--resume", "--n-envs", "8"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("error:")] == [
+        f"error: --resume: {folder / 'config.yaml'} is missing and checkpoint {step48} "
+        "holds no copy of the run's settings, so changed flags could not be refused; put the run's config.yaml back, "
+        "or start a new run with another --tag"]
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
+    for name, data in saved.items():
+        (step48 / name).write_bytes(data)
+    train_main(_argv(interrupted, 64, "--resume"))
+    assert yaml.safe_load((folder / "config.yaml").read_text())["n_envs"] == 2
+    assert _steps(folder / "final_model.zip") == 64
 
 
 # --- 4. SIGINT and SIGTERM -----------------------------------------------------------------------------------

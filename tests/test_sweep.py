@@ -99,6 +99,15 @@ def test_only_filters_select_a_subset_and_reject_unknown_names(capsys):
     assert len(lines) == 3
 
 
+def test_a_list_is_repeated_for_a_repeatable_flag_only():
+    from rlseq.train import build_parser
+
+    known = build_parser()._option_string_actions
+    assert S._flag_argv({"env_package": ["a", "b"]}, known) == ["--env-package", "a", "--env-package", "b"]
+    with pytest.raises(S.SweepError, match="flag 'n_envs' takes one value"):
+        S._flag_argv({"n_envs": [4]}, known)
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -112,6 +121,9 @@ def test_only_filters_select_a_subset_and_reject_unknown_names(capsys):
         ({"conditions": {"a": {"n_envs": 3}}}, "run caveflyer/efla-a/seed0: --n-minibatches 2 must divide --n-envs 3"),
         ({"seeds": [0, 1, 0]}, "names run caveflyer/efla-tiny/seed0 twice"),
         ({"flags": [1, 2]}, "'flags' must be a mapping"),
+        ({"flags": {"n_steps": [16, 32]}}, r"flag 'n_steps' takes one value, got the list \[16, 32\]; to train "
+                                           "several values, make each one a condition"),
+        ({"conditions": {"a": {"learning_rate": [1e-3]}}}, "flag 'learning_rate' takes one value"),
     ],
 )
 def test_a_bad_sweep_file_fails_before_anything_runs(overrides, message, tmp_path, capsys, monkeypatch):

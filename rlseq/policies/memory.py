@@ -490,7 +490,7 @@ class _RNNMemory(Memory):
         # segments tile [0, B*T) in order and each one's length is the gap to the next start.
         seg = resets.clone()
         seg[:, 0] = True
-        starts = seg.view(-1).nonzero().flatten()  # flat start indices, ascending
+        starts = seg.reshape(-1).nonzero().flatten()  # flat start indices, ascending
         lengths = torch.diff(starts, append=starts.new_tensor([B * T]))
         seg_b = starts // T
         lmax = int(lengths.max())
@@ -498,7 +498,7 @@ class _RNNMemory(Memory):
         gather = (starts.unsqueeze(1) + steps).clamp_max(B * T - 1)  # [P, lmax]
         padded = h.reshape(B * T, -1)[gather]  # [P, lmax, d]
         # First segment of a sequence starts from the carried state unless it resets at t = 0; the rest from 0.
-        keep = ((starts % T) == 0) & ~resets.view(-1)[starts]
+        keep = ((starts % T) == 0) & ~resets.reshape(-1)[starts]
         h0 = self._unpack(state[seg_b] * keep.to(state.dtype).view(-1, 1, 1, 1))
         packed = nn.utils.rnn.pack_padded_sequence(padded, lengths.cpu(), batch_first=True, enforce_sorted=False)
         out, final = self.rnn(packed, h0)
