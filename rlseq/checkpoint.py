@@ -163,6 +163,9 @@ def checkpoint_problem(folder: Path) -> str | None:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as e:
         return f"{meta_path} is unreadable ({e.__class__.__name__}: {e})"
+    shape = _meta_shape_problem(meta)
+    if shape is not None:
+        return f"{meta_path} is not a checkpoint record ({shape})"
     missing = [name for name in meta.get("files", ["model.zip", "rng.pt"]) if not (folder / name).is_file()]
     if missing:
         return f"{folder / missing[0]} is missing"
@@ -179,6 +182,19 @@ def checkpoint_problem(folder: Path) -> str | None:
             check(path)
         except Exception as e:  # noqa: BLE001  (any failure to read the file makes the checkpoint unusable)
             return f"{path} is unreadable ({e.__class__.__name__}: {e})"
+    return None
+
+
+def _meta_shape_problem(meta: Any) -> str | None:
+    """What is wrong with the shape of a parsed ``meta.json`` (valid JSON may still be ``null`` or a list), or None."""
+    if not isinstance(meta, dict):
+        return f"a {type(meta).__name__}, not an object"
+    files, sizes = meta.get("files", []), meta.get("sizes", {})
+    if not isinstance(files, list) or not all(isinstance(f, str) and f and "/" not in f for f in files):
+        return f"'files' is {files!r}, not a list of file names"
+    if not isinstance(sizes, dict) or not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes.values()) \
+            or not all(isinstance(f, str) and f and "/" not in f for f in sizes):
+        return f"'sizes' is {sizes!r}, not a mapping of file names to byte counts"
     return None
 
 
@@ -209,11 +225,21 @@ def resumable_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
             break
         warnings.append(f"checkpoint {folder.name} is not usable: {problem}")
     pointer = root / "latest"
-    named = pointer.read_text().strip() if pointer.is_file() else None
+    named = read_pointer(pointer)
     if found is not None and named != found.name:
         what = "is missing" if named is None else ("is empty" if not named else f"names {named!r}")
+        what = "is not a file" if pointer.exists() and not pointer.is_file() else what
         warnings.append(f"{pointer} {what}; the newest intact checkpoint is {found.name}")
     return found, warnings
+
+
+def read_pointer(pointer: Path) -> str | None:
+    """The step folder name a ``latest`` file holds (None when there is no such file; bytes that are not text
+    read as replacement characters, naming no checkpoint)."""
+    try:
+        return pointer.read_bytes()[:200].decode(errors="replace").strip() if pointer.is_file() else None
+    except OSError:
+        return None
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -4,6 +4,7 @@ restored from that checkpoint."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,12 @@ def _resume_point(folder: Path) -> Path | None:
     latest, warnings = resumable_checkpoint(root)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
+    pointer = root / "latest"
+    if latest is not None and pointer.exists() and not pointer.is_file():  # a save could not replace it
+        aside = pointer.with_name(f"latest.not-a-file.{os.getpid()}")
+        os.replace(pointer, aside)
+        print(f"warning: moved {pointer} to {aside}, so that the next checkpoint can write its pointer",
+              file=sys.stderr, flush=True)
     if latest is None and checkpoint_folders(root):
         raise UsageError(f"no checkpoint in {root} is intact (see the warnings above); nothing was deleted. "
                          f"Move {root} away to start the run again from step 0")

@@ -76,7 +76,9 @@ def _no_model_step(ckpt: Path) -> None:
     lambda ckpt: (ckpt / "latest").write_text(""),
     lambda ckpt: (ckpt / "latest").write_text("step999\n"),
     _no_model_step,
-], ids=["deleted", "empty", "missing-step", "step-without-model"])
+    lambda ckpt: (ckpt / "latest").write_bytes(b"\xff\xfe\x00step\x9c"),
+    lambda ckpt: ((ckpt / "latest").unlink(), (ckpt / "latest").mkdir(), (ckpt / "latest" / "x").write_text("x")),
+], ids=["deleted", "empty", "missing-step", "step-without-model", "binary", "directory"])
 def test_a_bad_latest_pointer_resumes_from_the_newest_intact_checkpoint_and_deletes_none_it_did_not_supersede(
         damage, interrupted, capsys):
     ckpt = _folder(interrupted) / "checkpoints"
@@ -89,6 +91,19 @@ def test_a_bad_latest_pointer_resumes_from_the_newest_intact_checkpoint_and_dele
     # step48 (resumed from) is the one older checkpoint kept; step32 is superseded by it
     assert _checkpoints(interrupted) == ["step48", "step64"]
     assert (ckpt / "step64" / "model.zip").exists() and (ckpt / "latest").read_text().strip() == "step64"
+    assert all((moved / "x").read_text() == "x" for moved in ckpt.glob("latest.not-a-file.*"))  # a directory's
+
+
+@pytest.mark.parametrize("meta", ["null", "[]", '{"files": 5}', '{"files": ["model.zip"], "sizes": [1]}',
+                                  '{"files": ["../x"]}', '{"sizes": {"model.zip": "big"}}'])
+def test_a_checkpoint_record_of_the_wrong_shape_is_a_torn_checkpoint(meta, interrupted, capsys):
+    path = _folder(interrupted) / "checkpoints" / "step48" / "meta.json"
+    path.write_text(meta)
+    train_main(_argv(interrupted, 64, "--resume"))
+    out, err = capsys.readouterr()
+    assert f"warning: checkpoint step48 is not usable: {path} is not a checkpoint record (" in err
+    assert "from step32 (32 env steps done)" in out
+    assert _steps(_folder(interrupted) / "final_model.zip") == 64
 
 
 # --- 2. a corrupt newest checkpoint --------------------------------------------------------------------------
