@@ -512,3 +512,10 @@ def test_non_finite_inputs_stay_in_their_episode(rule):
     """A NaN or inf in any input reaches neither the next episode (through a reset inside a chunk) nor the earlier
     steps of its own chunk, forward and backward: as in the step loop."""
     check_non_finite_stays_in_its_episode(rule, "torch", torch.float64, "cpu", 1e-10)
+
+
+@pytest.mark.parametrize("chunk_size", [0, True, 2.5, "16"])
+def test_a_chunk_size_that_is_not_a_whole_number_of_steps_is_refused(chunk_size):
+    inp = random_inputs(1, 5, 1, 4, 4, rule="efla", generator=_gen(43))
+    with pytest.raises(ValueError, match=r"chunk_size must be an integer >= 1 \(or None\), got " + repr(chunk_size)):
+        _call(inp, "efla", "torch", chunk_size=chunk_size)

@@ -365,12 +365,21 @@ def _refused(argv: list[str], tmp_path: Path, capsys, monkeypatch) -> list[str]:
     ({"n_epochs": 0}, "n_epochs 0"),
     ({"n_steps": 2.5}, "n_steps 2.5"),
     ({"normalize_reward": "yes please"}, "normalize_reward 'yes please'"),
+    ({"reward_scale": 1e308}, "reward_scale 1e+308 must be > 0 and <= 1e+12"),
+    ({"value_shift": -1e300}, "value_shift -1e+300 must be >= -1e+12 and <= 1e+12"),
 ])
 def test_a_bad_config_key_or_value_is_one_error_line(changes, message, tmp_path, capsys, monkeypatch):
     lines = _refused(["--env", ENV, "--config", str(_config(tmp_path, **changes))], tmp_path, capsys, monkeypatch)
     assert len(lines) == 1 and message in lines[0]
     if "learnign_rate" in changes:
         assert "did you mean learning_rate?" in lines[0]
+
+
+@pytest.mark.parametrize("flag,value", [("--reward-scale", "1e308"), ("--value-shift", "1e300")])
+def test_a_reward_scale_or_value_shift_that_overflows_float32_is_one_error_line(flag, value, tmp_path, capsys,
+                                                                               monkeypatch):
+    lines = _refused(["--env", ENV, flag, value], tmp_path, capsys, monkeypatch)
+    assert len(lines) == 1 and f"{value[:2]}+{value[-3:]} must be" in lines[0] and "<= 1e+12" in lines[0]
 
 
 def test_clip_range_yes_in_yaml_is_refused(tmp_path, capsys, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 
 import torch
@@ -177,8 +178,10 @@ def chunk_rule(
     if resets is not None:
         _check_resets(resets, (B, T), q)
     backend = _pick_backend(backend, q.device)
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    # a bool is an int to Python (True would run chunks of 1); a float would fail deep inside the chunking
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be an integer >= 1 (or None), got {chunk_size!r}")
     if backend == "triton" and chunk_size not in (None, TRITON_CHUNK):
         raise ValueError(f"the triton backend runs chunks of {TRITON_CHUNK} only, got chunk_size={chunk_size}; "
                          f"pass None (or {TRITON_CHUNK}), or use backend='torch' for other chunk lengths")
