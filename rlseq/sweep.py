@@ -59,6 +59,7 @@ import argparse
 import functools
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -643,11 +644,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resources(args: argparse.Namespace, spec: dict[str, Any]) -> Resources:
-    per_gpu = args.runs_per_gpu or int(spec.get("runs_per_gpu", 1))
+    per_gpu = args.runs_per_gpu if args.runs_per_gpu is not None else int(spec.get("runs_per_gpu", 1))
     if per_gpu < 1 or (args.parallel is not None and args.parallel < 1):
         raise SweepError("--runs-per-gpu and --parallel must be >= 1")
-    if args.cpus_per_run <= 0 or (args.gpus_per_run is not None and args.gpus_per_run < 0) or args.retries < 0:
-        raise SweepError("--cpus-per-run must be > 0, --gpus-per-run and --retries >= 0")
+    # written so that NaN fails too (every comparison with it is False)
+    if not (0 < args.cpus_per_run < math.inf) or not (args.gpus_per_run is None or 0 <= args.gpus_per_run < math.inf) \
+            or args.retries < 0:
+        raise SweepError("--cpus-per-run must be a finite number > 0, --gpus-per-run a finite number >= 0, and "
+                         "--retries >= 0")
     if args.address is not None:
         if args.gpus not in (None, "none") or args.parallel is not None:
             raise SweepError("--gpus and --parallel apply to the Ray this sweep starts; on a cluster each node offers "

@@ -99,6 +99,16 @@ def test_only_filters_select_a_subset_and_reject_unknown_names(capsys):
     assert len(lines) == 3
 
 
+@pytest.mark.parametrize("flags", [["--cpus-per-run", "nan"], ["--cpus-per-run", "inf"], ["--gpus-per-run", "nan"],
+                                   ["--runs-per-gpu", "0"], ["--retries", "-1"]], ids=lambda f: " ".join(f))
+def test_bad_resource_flags_are_one_error_line_before_ray_starts(flags, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(S, "_start_ray", lambda *a, **k: pytest.fail("Ray was started"))
+    assert S.main(_cpu(_sweep_file(tmp_path), *flags)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --") and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists()
+
+
 def test_a_list_is_repeated_for_a_repeatable_flag_only():
     from rlseq.train import build_parser
 
