@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from stable_baselines3.common.base_class import BaseAlgorithm
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecNormalize
@@ -42,6 +43,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 LOCK_NAME = ".lock"
+SETTINGS_NAME = "config.yaml"  # the run's settings, in the run folder and in each checkpoint
 
 
 class RunFolderBusy(RuntimeError):
@@ -106,9 +108,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2) -> Path:
+def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2, settings: dict[str, Any] | None = None) -> Path:
     """Write ``root/step<N>`` atomically and point ``root/latest`` at it; of the older checkpoints keep the newest
-    ``keep - 1`` (a newer one, which a resumed run has not reached again, is never deleted)."""
+    ``keep - 1`` (a newer one, which a resumed run has not reached again, is never deleted). ``settings`` (the
+    run's resolved config) is stored with it as ``config.yaml``: what a resume compares its flags with when the
+    run folder's own copy is gone."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step{model.num_timesteps}"
     tmp = root / f".step{model.num_timesteps}.tmp{os.getpid()}"
@@ -119,13 +123,20 @@ def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2) -> Path:
     if venv is not None:
         venv.save(str(tmp / "vecnormalize.pkl"))
     torch.save(rng_state(), tmp / "rng.pt")
+    if settings is not None:
+        (tmp / SETTINGS_NAME).write_text(yaml.safe_dump(settings, sort_keys=True))
     sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
     meta = {"num_timesteps": model.num_timesteps, "time": time.time(), "files": list(sizes), "sizes": sizes}
     (tmp / "meta.json").write_text(json.dumps(meta))
-    if final.exists():
-        shutil.rmtree(final)
+    aside = None
+    if final.exists():  # a re-save of this step: moved aside, not deleted, until the new one is in place
+        aside = root / f".{final.name}.old{os.getpid()}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
     os.replace(tmp, final)
     write_text_atomic(root / "latest", final.name + "\n")
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
     older = [p for p in checkpoint_folders(root) if _step(p) < model.num_timesteps]
     for old in older[keep - 1:]:
         shutil.rmtree(old, ignore_errors=True)
@@ -152,6 +163,9 @@ def checkpoint_problem(folder: Path) -> str | None:
         meta = json.loads(meta_path.read_text())
     except (OSError, ValueError) as e:
         return f"{meta_path} is unreadable ({e.__class__.__name__}: {e})"
+    shape = _meta_shape_problem(meta)
+    if shape is not None:
+        return f"{meta_path} is not a checkpoint record ({shape})"
     missing = [name for name in meta.get("files", ["model.zip", "rng.pt"]) if not (folder / name).is_file()]
     if missing:
         return f"{folder / missing[0]} is missing"
@@ -168,6 +182,19 @@ def checkpoint_problem(folder: Path) -> str | None:
             check(path)
         except Exception as e:  # noqa: BLE001  (any failure to read the file makes the checkpoint unusable)
             return f"{path} is unreadable ({e.__class__.__name__}: {e})"
+    return None
+
+
+def _meta_shape_problem(meta: Any) -> str | None:
+    """What is wrong with the shape of a parsed ``meta.json`` (valid JSON may still be ``null`` or a list), or None."""
+    if not isinstance(meta, dict):
+        return f"a {type(meta).__name__}, not an object"
+    files, sizes = meta.get("files", []), meta.get("sizes", {})
+    if not isinstance(files, list) or not all(isinstance(f, str) and f and "/" not in f for f in files):
+        return f"'files' is {files!r}, not a list of file names"
+    if not isinstance(sizes, dict) or not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes.values()) \
+            or not all(isinstance(f, str) and f and "/" not in f for f in sizes):
+        return f"'sizes' is {sizes!r}, not a mapping of file names to byte counts"
     return None
 
 
@@ -198,11 +225,21 @@ def resumable_checkpoint(root: Path) -> tuple[Path | None, list[str]]:
             break
         warnings.append(f"checkpoint {folder.name} is not usable: {problem}")
     pointer = root / "latest"
-    named = pointer.read_text().strip() if pointer.is_file() else None
+    named = read_pointer(pointer)
     if found is not None and named != found.name:
         what = "is missing" if named is None else ("is empty" if not named else f"names {named!r}")
+        what = "is not a file" if pointer.exists() and not pointer.is_file() else what
         warnings.append(f"{pointer} {what}; the newest intact checkpoint is {found.name}")
     return found, warnings
+
+
+def read_pointer(pointer: Path) -> str | None:
+    """The step folder name a ``latest`` file holds (None when there is no such file; bytes that are not text
+    read as replacement characters, naming no checkpoint)."""
+    try:
+        return pointer.read_bytes()[:200].decode(errors="replace").strip() if pointer.is_file() else None
+    except OSError:
+        return None
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -211,16 +248,27 @@ def latest_checkpoint(root: Path) -> Path | None:
     return next((folder for folder in checkpoint_folders(root) if (folder / "model.zip").is_file()), None)
 
 
-def remove_stale_temporaries(root: Path) -> list[Path]:
-    """Delete the ``.step<N>.tmp<pid>`` folders (and ``.latest.tmp<pid>`` files) that a save killed midway left,
-    those whose pid is not a live process; returns what was deleted."""
-    removed = []
+def remove_stale_temporaries(root: Path) -> list[str]:
+    """Clean up after saves killed midway, those whose pid is not a live process: delete the ``.step<N>.tmp<pid>``
+    folders and ``.latest.tmp<pid>`` files, and put a ``.step<N>.old<pid>`` (a re-saved step's previous copy)
+    back as ``step<N>`` when the new one never took its place, else delete it. Returns one line per action."""
+    done = []
+    for path in sorted(root.glob(".step*.old*")):
+        name, pid = path.name[1:].rsplit(".old", 1)
+        if not pid.isdigit() or _alive(int(pid)):
+            continue
+        if (root / name).exists():
+            shutil.rmtree(path)
+            done.append(f"removed {path}, the previous copy of {name}, which was saved again")
+        else:
+            os.replace(path, root / name)
+            done.append(f"restored {root / name} from {path}: a save of it again was killed midway")
     for path in list(root.glob(".step*.tmp*")) + list(root.glob(".latest.tmp*")):
         pid = path.name.rsplit(".tmp", 1)[1]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(path) if path.is_dir() else path.unlink()
-            removed.append(path)
-    return removed
+            done.append(f"removed {path}, left by a checkpoint save that did not finish")
+    return done
 
 
 def _alive(pid: int) -> bool:
@@ -245,11 +293,14 @@ class CheckpointCallback(BaseCallback):
     Checked when a rollout starts, i.e. after the previous rollout's update: a checkpoint holds a whole
     number of rollouts *and* their updates, so resuming repeats no update and skips none. :meth:`request_stop`
     (a signal handler's call, see :func:`stop_on_signals`) makes the next rollout start save a checkpoint and
-    end training at the following env step; :attr:`stopped_by` then holds the signal number.
+    end training at the following env step; :attr:`stopped_by` then holds the signal number. ``settings`` is
+    stored with each checkpoint (:func:`save_checkpoint`).
     """
 
-    def __init__(self, root: Path, every: int, keep: int = 2, verbose: int = 0):
+    def __init__(self, root: Path, every: int, keep: int = 2, verbose: int = 0,
+                 settings: dict[str, Any] | None = None):
         super().__init__(verbose)
+        self.settings = settings
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1 env step, got {every}")
         self.root, self.every, self.keep = Path(root), int(every), keep
@@ -271,7 +322,7 @@ class CheckpointCallback(BaseCallback):
         due = self.model.num_timesteps - self._last >= self.every
         if due or (self._stop_asked and checkpoint_problem(self.root / f"step{self.model.num_timesteps}")):
             _flush_event_files(self.logger)  # a checkpoint on disk implies the curves up to it are too
-            path = save_checkpoint(self.model, self.root, self.keep)
+            path = save_checkpoint(self.model, self.root, self.keep, self.settings)
             self._last = self.model.num_timesteps
             if self.verbose:
                 print(f"checkpoint: {path}")

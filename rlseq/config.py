@@ -63,7 +63,7 @@ def _real(low: float | None = None, high: float | None = None, *, above: bool = 
     def check(value: Any) -> float:
         number = _number(value)
         if (low is not None and (number < low or (above and number == low))) or (high is not None and number > high):
-            raise ValueError(f"must be {'>' if above else '>='} {low}" + (f" and <= {high}" if high is not None else ""))
+            raise ValueError(f"must be {'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else ""))
         return number
 
     return check
@@ -109,13 +109,16 @@ def _amp(value: Any) -> str | None:
     return value
 
 
+MAX_SCALE = 1e12  # the largest reward scale and value shift (float32's largest number is 3.4e38)
+
 # every key a config entry may hold -> its checker (returns the value converted)
 CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
     **dict.fromkeys(("n_timesteps", "n_envs", "n_steps", "n_minibatches", "n_epochs", "checkpoint_every",
                      "env_groups"), _whole(1)),
     "learning_rate": _real(0, above=True), "gamma": _real(0, 1, above=True), "gae_lambda": _real(0, 1),
     "ent_coef": _real(0), "vf_coef": _real(0), "clip_range": _real(0, above=True), "max_grad_norm": _real(0, above=True),
-    "reward_scale": _real(0, above=True), "value_shift": _real(),
+    # returns of ~100 such rewards (or values of such a shift) and their squares stay well inside float32
+    "reward_scale": _real(0, MAX_SCALE, above=True), "value_shift": _real(-MAX_SCALE, MAX_SCALE),
     **dict.fromkeys(("normalize_reward", "prev_action_reward", "fused_adam", "channels_last", "tf32", "cuda_graph"),
                     _boolean),
     "amp": _amp, "cuda_graph_train": _cuda_graph_train,

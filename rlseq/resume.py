@@ -4,6 +4,7 @@ restored from that checkpoint."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,17 @@ def _resume_point(folder: Path) -> Path | None:
     from rlseq.checkpoint import checkpoint_folders, remove_stale_temporaries, resumable_checkpoint
 
     root = folder / "checkpoints"
-    for path in remove_stale_temporaries(root) if root.is_dir() else []:
-        print(f"removed {path}, left by a checkpoint save that did not finish", flush=True)
+    for line in remove_stale_temporaries(root) if root.is_dir() else []:
+        print(line, flush=True)
     latest, warnings = resumable_checkpoint(root)
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
+    pointer = root / "latest"
+    if latest is not None and pointer.exists() and not pointer.is_file():  # a save could not replace it
+        aside = pointer.with_name(f"latest.not-a-file.{os.getpid()}")
+        os.replace(pointer, aside)
+        print(f"warning: moved {pointer} to {aside}, so that the next checkpoint can write its pointer",
+              file=sys.stderr, flush=True)
     if latest is None and checkpoint_folders(root):
         raise UsageError(f"no checkpoint in {root} is intact (see the warnings above); nothing was deleted. "
                          f"Move {root} away to start the run again from step 0")
@@ -41,13 +48,19 @@ RESUME_FREE_KEYS = frozenset({"n_timesteps", "checkpoint_every", "verbose", "dev
 RESUME_STATED_KEYS = ("tf32",)
 
 
-def refuse_changed_settings(cfg: dict[str, Any], folder: Path) -> None:
-    """On ``--resume``: refuse a setting that differs from the run's ``config.yaml``, listing every difference
-    (a key the older file lacks is not compared)."""
+def refuse_changed_settings(cfg: dict[str, Any], folder: Path, checkpoint: Path) -> None:
+    """On ``--resume`` from ``checkpoint``: refuse a setting that differs from the run's ``config.yaml`` (or, when
+    that is gone, the copy saved with the checkpoint), listing every difference (a key the older file lacks is not
+    compared); refuse when there is neither, since nothing would stop any change."""
     path = folder / "config.yaml"
     if not path.exists():
-        print(f"warning: {path} is missing: the settings of the resumed run cannot be checked", file=sys.stderr)
-        return
+        if not (checkpoint / "config.yaml").is_file():
+            raise UsageError(f"--resume: {path} is missing and checkpoint {checkpoint} holds no copy of the run's "
+                             "settings, so changed flags could not be refused; put the run's config.yaml back, or "
+                             "start a new run with another --tag")
+        print(f"warning: {path} is missing: the resumed run's settings are checked against {checkpoint.name}'s copy",
+              file=sys.stderr)
+        path = checkpoint / "config.yaml"
     saved = yaml.safe_load(path.read_text()) or {}
     changed = [f"  {key}: {saved[key]!r} in the run, {cfg[key]!r} now" for key in sorted(set(cfg) & set(saved))
                if key not in RESUME_FREE_KEYS and _comparable(key, cfg[key]) != _comparable(key, saved[key])]

@@ -59,6 +59,7 @@ import argparse
 import functools
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -108,10 +109,12 @@ class Run:
         return f"{self.env}/{self.memory}-{self.condition}/seed{self.seed}"
 
 
-def _flag_argv(flags: dict[str, Any], known: set[str]) -> list[str]:
+def _flag_argv(flags: dict[str, Any], known: dict[str, argparse.Action]) -> list[str]:
     """``{total_steps: 5e6, tf32: true, normalize_reward: false}`` -> ``--total-steps 5000000.0 --tf32 --no-normalize-reward``.
 
-    ``false`` for an on/off flag without a ``--no-`` form (``tf32: false``) just leaves the flag out.
+    ``known``: the training parser's actions by option string. ``false`` for an on/off flag without a ``--no-``
+    form (``tf32: false``) just leaves the flag out. A list is refused unless the flag is repeatable: repeated,
+    a one-value flag would train with its last item only.
     """
     argv: list[str] = []
     for key, value in flags.items():
@@ -129,6 +132,9 @@ def _flag_argv(flags: dict[str, Any], known: set[str]) -> list[str]:
             if "--no-" + key.replace("_", "-") in known:
                 argv.append("--no-" + key.replace("_", "-"))
         elif isinstance(value, list):  # a repeatable flag, e.g. env_package: [a, b]
+            if not isinstance(known[opt], argparse._AppendAction):
+                raise SweepError(f"flag {key!r} takes one value, got the list {value!r}; to train several values, "
+                                 "make each one a condition (conditions: {name: {" + key + ": value}})")
             for item in value:
                 argv += [opt, str(item)]
         elif value is not None:
@@ -184,7 +190,7 @@ def expand(spec: dict[str, Any], only: dict[str, set[str]] | None = None, logdir
             raise SweepError(f"--only {key}={','.join(missing)}: not in the grid; valid {key} values: {', '.join(grid[key])}")
     logdir = str(logdir if logdir is not None else spec["logdir"])
     parser = build_parser()
-    known = set(parser._option_string_actions)
+    known = parser._option_string_actions
     runs = []
     for seed, (cond, cflags), env, memory in itertools.product(
             spec["seeds"], spec["conditions"].items(), spec["envs"], spec["memories"]):
@@ -273,7 +279,10 @@ def _stop_with_parent(parent_pid: int) -> None:
 
 # --- one run: a Ray task on whichever node has its resources ----------------------------------------------
 
-STOPPED_BY = (-signal.SIGINT, -signal.SIGTERM)  # a trainer that died of these was stopped, not failed
+# a trainer that died of SIGINT or SIGTERM, or caught one and exited 128 + its number (rlseq.train does, after its
+# stop checkpoint), was stopped, not failed: a retry would train on after someone (the parent-death signal of a
+# killed sweep's worker, a user's kill) asked it to stop
+STOPPED_BY = tuple(code for sig in (signal.SIGINT, signal.SIGTERM) for code in (-sig, 128 + sig))
 
 
 class Board:
@@ -635,11 +644,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _resources(args: argparse.Namespace, spec: dict[str, Any]) -> Resources:
-    per_gpu = args.runs_per_gpu or int(spec.get("runs_per_gpu", 1))
+    per_gpu = args.runs_per_gpu if args.runs_per_gpu is not None else int(spec.get("runs_per_gpu", 1))
     if per_gpu < 1 or (args.parallel is not None and args.parallel < 1):
         raise SweepError("--runs-per-gpu and --parallel must be >= 1")
-    if args.cpus_per_run <= 0 or (args.gpus_per_run is not None and args.gpus_per_run < 0) or args.retries < 0:
-        raise SweepError("--cpus-per-run must be > 0, --gpus-per-run and --retries >= 0")
+    # written so that NaN fails too (every comparison with it is False)
+    if not (0 < args.cpus_per_run < math.inf) or not (args.gpus_per_run is None or 0 <= args.gpus_per_run < math.inf) \
+            or args.retries < 0:
+        raise SweepError("--cpus-per-run must be a finite number > 0, --gpus-per-run a finite number >= 0, and "
+                         "--retries >= 0")
     if args.address is not None:
         if args.gpus not in (None, "none") or args.parallel is not None:
             raise SweepError("--gpus and --parallel apply to the Ray this sweep starts; on a cluster each node offers "

@@ -230,18 +230,19 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
         env = make_env(cfg, seed=cfg["seed"])
         model = build_model(cfg, env, device)
     else:
-        refuse_changed_settings(cfg, folder)
+        refuse_changed_settings(cfg, folder, latest)
         model, env = _load_checkpoint(latest, cfg, args, device)
         print(f"resuming {folder} from {latest.name} ({model.num_timesteps:,} env steps done)", flush=True)
     if cfg["algo"] == "rlseq":  # what runs, not "auto" (a True that cannot be used warns and trains eagerly)
         cfg["cuda_graph_train"] = model.trains_from_graph()
     # written once the model is known, so that a resumed run records the precision it really trains with
-    write_text_atomic(folder / "config.yaml", yaml.safe_dump({**cfg, "device": device}, sort_keys=True))
+    settings = {**cfg, "device": device}
+    write_text_atomic(folder / "config.yaml", yaml.safe_dump(settings, sort_keys=True))
     # a resumed run's curves go on from its checkpoint: TensorBoard drops what the killed process logged after it
     # (all of it when the killed process left no checkpoint)
     purge_step = model.num_timesteps + 1 if latest is not None else (0 if args.resume else None)
     model.set_logger(tensorboard_logger(folder, stdout=bool(args.verbose), purge_step=purge_step))
-    checkpoints = CheckpointCallback(ckpt_root, cfg["checkpoint_every"])
+    checkpoints = CheckpointCallback(ckpt_root, cfg["checkpoint_every"], settings=settings)
     callbacks = [ScaledReturnLogger(), checkpoints]
     smaller = (f"python -m rlseq.train --env popgym-RepeatPreviousEasy-v0 --memory {cfg['memory']} (about a "
                "minute), or this command with --total-steps 2048 --n-envs 8 --n-steps 64 --tag smoke")
@@ -255,7 +256,7 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
         if checkpoints.stopped_by is not None:
             env.close()
             _stop_with_resume_hint(args, checkpoints)
-        _final_save(model, folder)
+        _final_save(model, folder, settings)
         env.close()
         if not pending:
             print(f"done: {model.num_timesteps:,} env steps in {folder}", flush=True)
@@ -266,13 +267,13 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     return folder
 
 
-def _final_save(model, folder: Path) -> None:
+def _final_save(model, folder: Path, settings: dict[str, Any]) -> None:
     """The last checkpoint and ``final_model.zip``, each written atomically; a :class:`Stopped` that aborts them
     names the checkpoint that a resume continues from (the previous one, or this save's if it completed)."""
     from rlseq.checkpoint import resumable_checkpoint, save_checkpoint
 
     try:
-        save_checkpoint(model, folder / "checkpoints")
+        save_checkpoint(model, folder / "checkpoints", settings=settings)
         model.save(folder / ".final_model.tmp.zip")
         (folder / ".final_model.tmp.zip").replace(folder / "final_model.zip")
     except Stopped as e:

@@ -39,3 +39,59 @@ def collect_rollout(model, callback=None, setup: bool = True) -> bool:
     callback = callback or _NoOp()
     callback.init_callback(model)
     return model.collect_rollouts(model.env, callback, model.rollout_buffer, model.n_steps)
+
+
+def check_non_finite_stays_in_its_episode(rule: str, backend: str, dtype: torch.dtype, device: str, tol: float) -> None:
+    """NaN and inf in q, k, v, β and the initial state, some just before a reset inside a chunk, one in an episode
+    that crosses a chunk boundary: ``chunk_rule(backend=...)`` in ``dtype`` must give the float64 step loop's
+    outputs and final state (NaN exactly where it has a NaN or inf, equal elsewhere) and, for a loss on the finite
+    outputs, its gradients wherever those are finite (which includes every later episode), finite everywhere."""
+    from rlseq.bench.kernels import random_inputs, rel_err
+    from rlseq.kernels import chunk_rule
+
+    B, T, H, K, V = 2, 40, 2, 8, 4
+    inp = random_inputs(B, T, H, K, V, rule=rule, reset_prob=0.0, generator=torch.Generator().manual_seed(7))
+    resets = torch.zeros(B, T, dtype=torch.bool)
+    resets[0, [6, 24]] = True  # sequence 0: episodes [0, 6), [6, 24) across the chunk boundary at 16, [24, 40)
+    resets[1, 20] = True
+    nan, inf = float("nan"), float("inf")
+    inp["k"][0, 3, 1, 2] = nan
+    inp["v"][0, 10, 0, 1] = inf  # poisons column 1 of head 0 until the reset at 24, in the next chunk
+    inp["beta"][1, 18, 0] = nan
+    inp["q"][1, 2, 1, 0] = nan  # its own output row only
+    inp["initial_state"][1, 0, 3, 2] = -inf  # column 2 of head 0 of sequence 1, until the reset at 20
+    inp["k"][1, 30, 1, 0] = nan  # after the last reset: the final state of that head, not the steps before 30
+    gen = torch.Generator().manual_seed(8)
+    go = torch.randn(B, T, H, V, generator=gen, dtype=torch.float64)
+    gs = torch.randn(B, H, K, V, generator=gen, dtype=torch.float64)
+    names = ("q", "k", "v", "beta", "initial_state")
+    runs = {}
+    for name, dt, dev in (("reference", torch.float64, "cpu"), (backend, dtype, device)):
+        x = {n: inp[n].to(dt).to(dev) for n in names[:4]}
+        x["initial_state"] = inp["initial_state"].to(torch.float64 if dt == torch.float64 else torch.float32).to(dev)
+        if name == "reference":  # the oracle sees the inputs as rounded to dtype
+            x = {n: t.to(dtype).double() if n != "initial_state" else t for n, t in x.items()}
+        x = {n: t.detach().requires_grad_() for n, t in x.items()}
+        o, s = chunk_rule(*(x[n] for n in names[:4]), rule=rule, initial_state=x["initial_state"],
+                          resets=resets.to(dev), backend=name)
+        runs[name] = (o, s, x)
+    o_ref, s_ref, x_ref = runs["reference"]
+    o, s, x = runs[backend]
+    o, s = o.double().cpu(), s.double().cpu()
+    fin_o, fin_s = torch.isfinite(o_ref.detach()), torch.isfinite(s_ref.detach())
+    assert not fin_o.all() and not fin_s.all()  # the case does poison something
+    assert torch.equal(torch.isfinite(o.detach()), fin_o) and torch.equal(torch.isfinite(s.detach()), fin_s)
+    assert torch.isnan(o[~fin_o]).all() and torch.isnan(s[~fin_s]).all()
+    assert rel_err(o.detach()[fin_o], o_ref.detach()[fin_o]) < tol
+    assert rel_err(s.detach()[fin_s], s_ref.detach()[fin_s]) < tol
+    for oo, ss, xx in ((o_ref, s_ref, x_ref), runs[backend][:2] + (x,)):
+        loss = torch.where(fin_o.to(oo.device), oo.double() * go.to(oo.device), 0.0).sum() \
+            + torch.where(fin_s.to(ss.device), ss.double() * gs.to(ss.device), 0.0).sum()
+        loss.backward()
+    for n in names:
+        ref, got = x_ref[n].grad, x[n].grad.double().cpu()
+        assert torch.isfinite(got).all(), n
+        if n != "initial_state":  # the episodes after the poisoned ones (head 1 of sequence 1 has its own NaN)
+            assert torch.isfinite(ref[0, 24:]).all() and torch.isfinite(ref[1, 20:, 0]).all(), n
+        fin = torch.isfinite(ref)
+        assert rel_err(got[fin], ref[fin]) < tol, (n, rel_err(got[fin], ref[fin]))

@@ -114,3 +114,50 @@ def test_kill_9_at_random_points_then_resume_loses_no_checkpoint_and_logs_each_s
     assert (ckpt / "latest").read_text().strip() == f"step{TOTAL}"
     steps = [s for s in _curve(folder) if s > 0]
     assert steps == list(range(ROLLOUT, TOTAL + 1, ROLLOUT)), (delays, steps)
+
+
+# saves step8 twice (a "first", then a "second" copy), SIGKILLed inside the second save at the rename that argv[2]
+# names: the new copy's (the old one is then out of the way) or the latest pointer's (the new one is in place)
+_RESAVE_KILLED = """
+import os, signal, sys, zipfile
+from pathlib import Path
+import rlseq.checkpoint as C
+
+class Stub:
+    num_timesteps = 8
+    def __init__(self, tag):
+        self.tag = tag
+    def save(self, path):
+        with zipfile.ZipFile(path, "w") as z:
+            z.writestr("data", self.tag)
+            z.writestr("policy.pth", b"")
+    def get_vec_normalize_env(self):
+        return None
+
+root = Path(sys.argv[1])
+C.save_checkpoint(Stub("first"), root)
+replace = os.replace
+def killing_replace(src, dst):
+    if Path(src).name.startswith(sys.argv[2]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    replace(src, dst)
+os.replace = killing_replace
+C.save_checkpoint(Stub("second"), root)
+"""
+
+
+@pytest.mark.parametrize("killed_at,kept", [(".step8.tmp", "first"), (".latest.tmp", "second")])
+def test_a_save_of_the_same_step_killed_midway_keeps_an_intact_copy(tmp_path, killed_at, kept):
+    import zipfile
+
+    from rlseq.checkpoint import checkpoint_problem, remove_stale_temporaries, resumable_checkpoint
+
+    root = tmp_path / "checkpoints"
+    proc = subprocess.run([sys.executable, "-c", _RESAVE_KILLED, str(root), killed_at], cwd=REPO,
+                          capture_output=True, text=True)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    remove_stale_temporaries(root)
+    assert resumable_checkpoint(root) == (root / "step8", [])
+    assert checkpoint_problem(root / "step8") is None
+    assert zipfile.ZipFile(root / "step8" / "model.zip").read("data").decode() == kept
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step8"]

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from rlseq.kernels import chunk_rule, naive_rule, phi, step_rule, unit_key_form
 from rlseq.bench.kernels import random_inputs, rel_err
+from tests.helpers import check_non_finite_stays_in_its_episode
 
 RULES = ("efla", "deltanet")
 FIELDS = ("q", "k", "v", "beta", "initial_state")
@@ -504,3 +505,17 @@ def test_nan_initial_state_does_not_leak_through_a_reset_at_t0(rule, backend):
     step_rule(*(inp[n][:, 0] for n in ("q", "k", "v", "beta")), state, rule=rule, resets=inp["resets"][:, 0],
               backend=backend)
     assert torch.isfinite(state).all()
+
+
+@pytest.mark.parametrize("rule", RULES)
+def test_non_finite_inputs_stay_in_their_episode(rule):
+    """A NaN or inf in any input reaches neither the next episode (through a reset inside a chunk) nor the earlier
+    steps of its own chunk, forward and backward: as in the step loop."""
+    check_non_finite_stays_in_its_episode(rule, "torch", torch.float64, "cpu", 1e-10)
+
+
+@pytest.mark.parametrize("chunk_size", [0, True, 2.5, "16"])
+def test_a_chunk_size_that_is_not_a_whole_number_of_steps_is_refused(chunk_size):
+    inp = random_inputs(1, 5, 1, 4, 4, rule="efla", generator=_gen(43))
+    with pytest.raises(ValueError, match=r"chunk_size must be an integer >= 1 \(or None\), got " + repr(chunk_size)):
+        _call(inp, "efla", "torch", chunk_size=chunk_size)

@@ -394,6 +394,19 @@ def test_rnn_exact_resets(name, with_resets):
 
 
 @pytest.mark.parametrize("name", ["gru", "lstm"])
+def test_rnn_takes_non_contiguous_resets(name):
+    """Resets laid out time-major (a transposed [T, B] buffer), as a caller's slice or transpose gives them."""
+    m = _memory(name)
+    x, r = _sequence(4, 23)
+    r_t = r.t().contiguous().t()
+    assert not r_t.is_contiguous() and torch.equal(r_t, r)
+    s0 = _random_state(m, 4)
+    with torch.no_grad():
+        for got, want in zip(m(x, s0, r_t), m(x, s0, r)):
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["gru", "lstm"])
 def test_rnn_one_call_per_forward(monkeypatch, name):
     """Resets or not, ``forward`` makes exactly one RNN call (never a loop over time steps)."""
     m = _memory(name)

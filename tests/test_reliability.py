@@ -4,6 +4,7 @@ leftovers of killed saves, and --resume of a run folder that does not exist."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -75,7 +76,9 @@ def _no_model_step(ckpt: Path) -> None:
     lambda ckpt: (ckpt / "latest").write_text(""),
     lambda ckpt: (ckpt / "latest").write_text("step999\n"),
     _no_model_step,
-], ids=["deleted", "empty", "missing-step", "step-without-model"])
+    lambda ckpt: (ckpt / "latest").write_bytes(b"\xff\xfe\x00step\x9c"),
+    lambda ckpt: ((ckpt / "latest").unlink(), (ckpt / "latest").mkdir(), (ckpt / "latest" / "x").write_text("x")),
+], ids=["deleted", "empty", "missing-step", "step-without-model", "binary", "directory"])
 def test_a_bad_latest_pointer_resumes_from_the_newest_intact_checkpoint_and_deletes_none_it_did_not_supersede(
         damage, interrupted, capsys):
     ckpt = _folder(interrupted) / "checkpoints"
@@ -88,6 +91,19 @@ def test_a_bad_latest_pointer_resumes_from_the_newest_intact_checkpoint_and_dele
     # step48 (resumed from) is the one older checkpoint kept; step32 is superseded by it
     assert _checkpoints(interrupted) == ["step48", "step64"]
     assert (ckpt / "step64" / "model.zip").exists() and (ckpt / "latest").read_text().strip() == "step64"
+    assert all((moved / "x").read_text() == "x" for moved in ckpt.glob("latest.not-a-file.*"))  # a directory's
+
+
+@pytest.mark.parametrize("meta", ["null", "[]", '{"files": 5}', '{"files": ["model.zip"], "sizes": [1]}',
+                                  '{"files": ["../x"]}', '{"sizes": {"model.zip": "big"}}'])
+def test_a_checkpoint_record_of_the_wrong_shape_is_a_torn_checkpoint(meta, interrupted, capsys):
+    path = _folder(interrupted) / "checkpoints" / "step48" / "meta.json"
+    path.write_text(meta)
+    train_main(_argv(interrupted, 64, "--resume"))
+    out, err = capsys.readouterr()
+    assert f"warning: checkpoint step48 is not usable: {path} is not a checkpoint record (" in err
+    assert "from step32 (32 env steps done)" in out
+    assert _steps(_folder(interrupted) / "final_model.zip") == 64
 
 
 # --- 2. a corrupt newest checkpoint --------------------------------------------------------------------------
@@ -148,6 +164,39 @@ def test_resume_with_other_hyperparameters_is_refused_with_every_difference_and_
     # the budget may grow: recorded as it now is
     train_main(_argv(interrupted, 64, "--resume"))
     assert yaml.safe_load(config.read_text())["n_timesteps"] == 64
+
+
+def test_resume_without_config_yaml_checks_the_checkpoints_copy_of_the_settings_or_refuses(interrupted, capsys):
+    folder = _folder(interrupted)
+    (folder / "config.yaml").unlink()
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(interrupted, 64, "--resume", "--learning-rate", "0.1", "--n-envs", "8"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:   learning_rate: 0.0005 in the run, 0.1 now" in err and "error:   n_envs: 2 in the run, 8 now" in err
+    assert not (folder / "config.yaml").exists()
+    step48 = folder / "checkpoints" / "step48"
+    saved = {name: (step48 / name).read_bytes() for name in ("config.yaml", "meta.json")}
+    meta = json.loads(saved["meta.json"])  # as a checkpoint of an older version: no config.yaml in it
+    (step48 / "config.yaml").unlink()
+    meta["files"].remove("config.yaml")
+    del meta["sizes"]["config.yaml"]
+    (step48 / "meta.json").write_text(json.dumps(meta))
+    before = sorted(p.relative_to(folder) for p in folder.rglob("*"))
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(interrupted, 64, "--resume", "--n-envs", "8"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("error:")] == [
+        f"error: --resume: {folder / 'config.yaml'} is missing and checkpoint {step48} "
+        "holds no copy of the run's settings, so changed flags could not be refused; put the run's config.yaml back, "
+        "or start a new run with another --tag"]
+    assert sorted(p.relative_to(folder) for p in folder.rglob("*")) == before
+    for name, data in saved.items():
+        (step48 / name).write_bytes(data)
+    train_main(_argv(interrupted, 64, "--resume"))
+    assert yaml.safe_load((folder / "config.yaml").read_text())["n_envs"] == 2
+    assert _steps(folder / "final_model.zip") == 64
 
 
 # --- 4. SIGINT and SIGTERM -----------------------------------------------------------------------------------
@@ -316,12 +365,21 @@ def _refused(argv: list[str], tmp_path: Path, capsys, monkeypatch) -> list[str]:
     ({"n_epochs": 0}, "n_epochs 0"),
     ({"n_steps": 2.5}, "n_steps 2.5"),
     ({"normalize_reward": "yes please"}, "normalize_reward 'yes please'"),
+    ({"reward_scale": 1e308}, "reward_scale 1e+308 must be > 0 and <= 1e+12"),
+    ({"value_shift": -1e300}, "value_shift -1e+300 must be >= -1e+12 and <= 1e+12"),
 ])
 def test_a_bad_config_key_or_value_is_one_error_line(changes, message, tmp_path, capsys, monkeypatch):
     lines = _refused(["--env", ENV, "--config", str(_config(tmp_path, **changes))], tmp_path, capsys, monkeypatch)
     assert len(lines) == 1 and message in lines[0]
     if "learnign_rate" in changes:
         assert "did you mean learning_rate?" in lines[0]
+
+
+@pytest.mark.parametrize("flag,value", [("--reward-scale", "1e308"), ("--value-shift", "1e300")])
+def test_a_reward_scale_or_value_shift_that_overflows_float32_is_one_error_line(flag, value, tmp_path, capsys,
+                                                                               monkeypatch):
+    lines = _refused(["--env", ENV, flag, value], tmp_path, capsys, monkeypatch)
+    assert len(lines) == 1 and f"{value[:2]}+{value[-3:]} must be" in lines[0] and "<= 1e+12" in lines[0]
 
 
 def test_clip_range_yes_in_yaml_is_refused(tmp_path, capsys, monkeypatch):

@@ -99,6 +99,25 @@ def test_only_filters_select_a_subset_and_reject_unknown_names(capsys):
     assert len(lines) == 3
 
 
+@pytest.mark.parametrize("flags", [["--cpus-per-run", "nan"], ["--cpus-per-run", "inf"], ["--gpus-per-run", "nan"],
+                                   ["--runs-per-gpu", "0"], ["--retries", "-1"]], ids=lambda f: " ".join(f))
+def test_bad_resource_flags_are_one_error_line_before_ray_starts(flags, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(S, "_start_ray", lambda *a, **k: pytest.fail("Ray was started"))
+    assert S.main(_cpu(_sweep_file(tmp_path), *flags)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --") and err.count("\n") == 1, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_list_is_repeated_for_a_repeatable_flag_only():
+    from rlseq.train import build_parser
+
+    known = build_parser()._option_string_actions
+    assert S._flag_argv({"env_package": ["a", "b"]}, known) == ["--env-package", "a", "--env-package", "b"]
+    with pytest.raises(S.SweepError, match="flag 'n_envs' takes one value"):
+        S._flag_argv({"n_envs": [4]}, known)
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -112,6 +131,9 @@ def test_only_filters_select_a_subset_and_reject_unknown_names(capsys):
         ({"conditions": {"a": {"n_envs": 3}}}, "run caveflyer/efla-a/seed0: --n-minibatches 2 must divide --n-envs 3"),
         ({"seeds": [0, 1, 0]}, "names run caveflyer/efla-tiny/seed0 twice"),
         ({"flags": [1, 2]}, "'flags' must be a mapping"),
+        ({"flags": {"n_steps": [16, 32]}}, r"flag 'n_steps' takes one value, got the list \[16, 32\]; to train "
+                                           "several values, make each one a condition"),
+        ({"conditions": {"a": {"learning_rate": [1e-3]}}}, "flag 'learning_rate' takes one value"),
     ],
 )
 def test_a_bad_sweep_file_fails_before_anything_runs(overrides, message, tmp_path, capsys, monkeypatch):
@@ -276,9 +298,32 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.parametrize("code,rc,stopped", [("raise SystemExit(143)", 143, True), ("raise SystemExit(130)", 130, True),
+                                             ("import os; os.kill(os.getpid(), 15)", -15, True),
+                                             ("raise SystemExit(1)", 1, False)])
+def test_a_trainer_stopped_by_a_signal_is_not_retried(tmp_path, code, rc, stopped):
+    # rlseq.train catches SIGINT/SIGTERM, saves and exits 128 + the signal: stopped, like one that died of it
+    assert S._train_once([sys.executable, "-c", code], dict(os.environ), None, tmp_path, poll_s=0.05) == (rc, stopped)
+
+
+def _lock_holder_after(folder: Path, seconds: float) -> str | None:
+    """Wait up to ``seconds`` for the run-folder lock of ``folder`` to be free; None once it is, else its holder.
+
+    The lock, not /proc, says when a trainer is gone: its leader shows as a zombie while its other threads still
+    exit and still hold the lock's descriptor."""
+    from rlseq.checkpoint import folder_lock
+
+    deadline = time.monotonic() + seconds
+    while True:
+        with folder_lock(folder) as holder:
+            if holder is None or time.monotonic() > deadline:
+                return holder
+        time.sleep(0.1)
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="the parent-death signal is Linux's prctl")
 def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
-    from rlseq.checkpoint import LOCK_NAME, run_folder_lock
+    from rlseq.checkpoint import LOCK_NAME
 
     path = _sweep_file(tmp_path, flags={"total_steps": 1_000_000, **TINY})
     run = tmp_path / "runs" / "caveflyer" / "efla-tiny" / "seed0"
@@ -295,18 +340,15 @@ def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
         assert pid != sweep.pid and _alive(pid)
         sweep.kill()  # SIGKILL: the sweep cannot pass anything on
         sweep.wait()
-        deadline = time.time() + 60
-        while time.time() < deadline and _alive(pid):
-            time.sleep(0.1)
-        assert not _alive(pid), "the training process outlived its sweep"
+        holder = _lock_holder_after(run, 60)  # free: every trainer of the sweep has ended (a retry included)
+        assert holder is None, f"the training process outlived its sweep: {holder} (the first was pid {pid})"
+        assert not _alive(pid)
     finally:
         if sweep.poll() is None:
             sweep.kill()
             sweep.wait()
         if pid is not None and _alive(pid):  # a failed check must not leave it training
             os.kill(pid, signal.SIGKILL)
-    with run_folder_lock(run):  # and its folder is free for the next sweep
-        pass
 
 
 def test_two_sweeps_over_one_tree_train_each_run_once_and_record_none_as_failed(tmp_path):

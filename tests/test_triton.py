@@ -22,6 +22,7 @@ from rlseq.kernels import chunk_rule, step_rule  # noqa: E402
 from rlseq.kernels import triton_chunk, triton_ops  # noqa: E402
 from rlseq.kernels.rules import unit_key_scales  # noqa: E402
 from rlseq.kernels.triton_core import gate_bwd, gate_fwd, key_norm  # noqa: E402
+from tests.helpers import check_non_finite_stays_in_its_episode  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 if INTERPRET and not type(triton_chunk.chunk_fwd_kernel).__name__.startswith("Interpreted"):
@@ -315,6 +316,13 @@ def test_nan_initial_state_does_not_leak_through_a_reset_at_t0(rule):
     o, s = chunk_rule(x["q"], x["k"], x["v"], x["beta"], rule=rule, initial_state=x["initial_state"], resets=r,
                       backend="triton")
     assert torch.equal(o, clean[0]) and torch.equal(s, clean[1])
+
+
+@pytest.mark.parametrize("rule", ["efla", "deltanet"])
+def test_non_finite_inputs_stay_in_their_episode(rule):
+    """NaN and inf in every input, before resets inside a chunk and across a chunk boundary: the kernels' outputs,
+    final state and gradients as the float64 step loop's (tests/helpers.py)."""
+    check_non_finite_stays_in_its_episode(rule, "triton", torch.float32, DEVICE, TOL[torch.float32])
 
 
 # --- step kernel ------------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 
 import torch
@@ -78,6 +79,46 @@ def _check_beta(beta: torch.Tensor) -> None:
                          "or softplus")
 
 
+def _episode_starts(resets: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor:
+    """``[B, T]`` int64: the step at which the episode holding step t began (0 for the first episode)."""
+    steps = torch.arange(T, device=device).expand(B, T)
+    if resets is None:
+        return torch.zeros_like(steps)
+    return torch.cummax(torch.where(resets, steps, 0), dim=1).values
+
+
+def _quarantine(q, k, v, beta, initial_state, resets):
+    """Split non-finite inputs off the chunked backends: returns ``(q, k, v, beta, initial_state)`` with every NaN
+    or inf replaced by 0, and the masks ``o_bad [B, T, H, V]`` and ``s_bad [B, H, 1, V]`` of the outputs and final
+    state entries that the step loop makes non-finite, to be set to NaN afterwards.
+
+    A chunk mixes its steps in matrix products, where a masked-out ``0·NaN`` is still NaN: a non-finite input
+    would reach earlier steps and, through a reset, the next episode. The step loop's reach is narrower and is
+    reproduced here exactly: a non-finite key or β poisons every column from its step to the end of its episode;
+    a non-finite value entry, or an initial-state column holding one, poisons only its column; a non-finite query
+    only its own output row. Gradients with respect to the replaced entries are 0."""
+    B, T = q.shape[:2]
+
+    def clean(x):
+        return torch.where(torch.isfinite(x), x, 0.0)
+
+    bad = (~torch.isfinite(v)) | ~(torch.isfinite(k).all(-1) & torch.isfinite(beta)).unsqueeze(-1)  # [B, T, H, V]
+    seen = torch.cumsum(bad, dim=1, dtype=torch.int32)  # non-finite entries up to and including t, per column
+    start = _episode_starts(resets, B, T, q.device).view(B, T, 1, 1).expand_as(seen)
+    before = seen.gather(1, start) - bad.gather(1, start).to(torch.int32)  # ... before the episode's first step
+    poisoned = seen > before
+    h0 = initial_state
+    if h0 is not None:
+        h0_bad = ~torch.isfinite(h0).all(-2)  # [B, H, V]: a column of S feeds only that column of o and S
+        h0_bad = h0_bad.unsqueeze(1)
+        if resets is not None:  # only the first episode sees the initial state
+            h0_bad = h0_bad & (torch.cumsum(resets, 1) == 0).view(B, T, 1, 1)
+        poisoned = poisoned | h0_bad
+        h0 = clean(h0)
+    o_bad = poisoned | ~torch.isfinite(q).all(-1, keepdim=True)
+    return clean(q), clean(k), clean(v), clean(beta), h0, o_bad, poisoned[:, -1].unsqueeze(-2)
+
+
 def chunk_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -113,6 +154,12 @@ def chunk_rule(
         ``o [B, T, H, V]`` in the input dtype, with ``o_t = S_tᵀ q_t`` after the update at t, and the final
         state ``[B, H, K, V]`` in float32 (float64 for float64 inputs). Differentiable with respect to
         q, k, v, beta and initial_state on every backend. Empty inputs (B, H, K or V = 0) give empty results.
+
+    Non-finite inputs: every backend makes the step loop's entries NaN (the reference leaves inf as inf): a NaN or
+    inf key or β, the outputs from its step to its episode's end; a value entry, or an initial-state column holding
+    one, that column; a query, its own output. The next episode and the earlier steps are untouched, and so are the
+    gradients of a loss on the finite outputs, except within the poisoned episode: there the chunked backends give
+    finite gradients (0 for the non-finite entries) where autograd through the step loop gives NaN.
     """
     check_rule(rule)
     _check_dtypes_devices({"q": q, "k": k, "v": v, "beta": beta})
@@ -131,8 +178,10 @@ def chunk_rule(
     if resets is not None:
         _check_resets(resets, (B, T), q)
     backend = _pick_backend(backend, q.device)
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    # a bool is an int to Python (True would run chunks of 1); a float would fail deep inside the chunking
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be an integer >= 1 (or None), got {chunk_size!r}")
     if backend == "triton" and chunk_size not in (None, TRITON_CHUNK):
         raise ValueError(f"the triton backend runs chunks of {TRITON_CHUNK} only, got chunk_size={chunk_size}; "
                          f"pass None (or {TRITON_CHUNK}), or use backend='torch' for other chunk lengths")
@@ -146,13 +195,17 @@ def chunk_rule(
 
     if backend == "reference":
         o, s = naive_rule(q, k, v, beta, rule=rule, initial_state=initial_state, resets=resets)
-    elif backend == "torch":
+        return o.to(q.dtype), s
+    dtype = q.dtype
+    q, k, v, beta, initial_state, o_bad, s_bad = _quarantine(q, k, v, beta, initial_state, resets)
+    if backend == "torch":
         o, s = chunk_torch(q, k, v, beta, rule=rule, initial_state=initial_state, resets=resets, chunk_size=chunk_size or 16)
     else:
         from rlseq.kernels.triton_ops import chunk_triton
 
-        return chunk_triton(q, k, v, beta, rule=rule, initial_state=initial_state, resets=resets)
-    return o.to(q.dtype), s
+        o, s = chunk_triton(q, k, v, beta, rule=rule, initial_state=initial_state, resets=resets)
+    nan = float("nan")
+    return o.to(dtype).masked_fill(o_bad, nan), s.masked_fill(s_bad, nan)
 
 
 def step_rule(
