@@ -201,7 +201,9 @@ def test_a_tiny_sweep_runs_in_parallel_and_a_second_invocation_starts_nothing(tm
     assert {f: f.stat().st_mtime_ns for d in folders for f in d.rglob("*") if f.is_file()} == before
     assert [r["state"] for r in _status(tmp_path).values()] == ["finished", "finished"]
     assert S.main([str(path), "--status"]) == 0
-    assert [line.split()[-1] for line in capsys.readouterr().out.splitlines()] == ["finished", "finished"]
+    *lines, summary = capsys.readouterr().out.splitlines()
+    assert [line.split()[-1] for line in lines] == ["finished", "finished"]
+    assert summary == "2 runs: 2 finished, 0 interrupted, 0 not started"
     assert S.main([str(path), "--dry-run"]) == 0
     assert all(line.endswith("--resume (finished)") for line in capsys.readouterr().out.splitlines())
 
