@@ -215,8 +215,9 @@ def load_config(path: Path, env: str, family: str = "procgen") -> dict[str, Any]
     key = env if env in table else family if family in table else None
     if key is None:
         flat = [str(k) for k in table if k in CONFIG_KEYS]
-        hint = (f"; {', '.join(flat)} {'are' if len(flat) > 1 else 'is'} hyperparameters: put them under {env}: "
-                f"(this env) or {family}: (every {family} env)") if flat else ""
+        hint = (f"; {', '.join(flat)} {'are hyperparameters' if len(flat) > 1 else 'is a hyperparameter'}: put "
+                f"{'them' if len(flat) > 1 else 'it'} under {env}: (this env) or {family}: (every {family} env)"
+                if flat else "")
         raise UsageError(f"{path} has no entry for {env!r} and no {family!r} default; "
                          f"entries: {', '.join(map(str, table)) or 'none'}{hint}")
     entry = table[key]

@@ -348,3 +348,14 @@ def test_two_sweeps_over_one_tree_train_each_run_once_and_record_none_as_failed(
     # the status file holds what the sweep that ended last saw: every run finished
     status = _status(tmp_path)
     assert list(status) == names and all(row["state"] in ("done", "finished") for row in status.values()), status
+
+
+def test_status_ends_with_the_counts(tmp_path, capsys):
+    folders = [tmp_path / name for name in ("a", "b", "c")]
+    (folders[0] / "checkpoints" / "step64").mkdir(parents=True)
+    (folders[0] / "checkpoints" / "latest").write_text("step64\n")
+    folders[1].mkdir()
+    (folders[1] / "final_model.zip").write_bytes(b"")
+    runs = [S.Run(env="caveflyer", memory="efla", seed=i, condition="c", argv=[], folder=f) for i, f in enumerate(folders)]
+    S.print_status(runs)
+    assert capsys.readouterr().out.splitlines()[-1] == "3 runs: 1 finished, 1 interrupted, 1 not started"
