@@ -129,8 +129,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--total-steps and --checkpoint-every may change). SIGINT and SIGTERM save a checkpoint at "
                         "the next rollout start and print this command")
     p.add_argument("--no-progress-bar", action="store_true",
-                   help="no progress lines (the speed after 10 s and the estimate after the first update are "
-                        "printed still; otherwise then a line every second on a terminal, every 30 s in a log file)")
+                   help="no progress lines (the speed after 10 s, the estimate after the second rollout and the "
+                        "closing summary are printed still; otherwise a line with the speed, the time left and the "
+                        "recent mean return every second on a terminal, every 30 s in a log file)")
     p.add_argument("--verbose", type=int, default=0)
     return p
 
