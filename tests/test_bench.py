@@ -4,24 +4,13 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from rlseq.bench.__main__ import main as bench_main
-
-
-def _record_torch_threads(monkeypatch) -> list[int]:
-    """torch.set_num_threads's calls, recorded instead of made, with torch reporting its one-per-core default of 2
-    and no OMP_NUM_THREADS set."""
-    calls: list[int] = []
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    return calls
+from tests.helpers import record_torch_threads
 
 
 def test_bench_kernels_prints_a_row_per_backend_with_the_oracle_error_on_the_trainers_torch_threads(capsys,
                                                                                                      monkeypatch):
-    threads = _record_torch_threads(monkeypatch)
+    threads = record_torch_threads(monkeypatch)
     bench_main(["kernels", "--batch", "1", "--head-dim", "16", "--steps", "20", "--heads", "1",
                 "--backends", "reference", "torch", "--repeats", "1"])
     out = capsys.readouterr().out
@@ -33,7 +22,7 @@ def test_bench_kernels_prints_a_row_per_backend_with_the_oracle_error_on_the_tra
 
 
 def test_bench_train_prints_throughput_and_the_phase_breakdown_on_the_torch_threads_asked(capsys, monkeypatch):
-    threads = _record_torch_threads(monkeypatch)
+    threads = record_torch_threads(monkeypatch)
     bench_main(["train", "--variants", "rlseq-none", "rlseq-efla", "--n-envs", "2", "--n-steps", "8",
                 "--n-minibatches", "2", "--n-epochs", "1", "--num-threads", "0", "--warmup", "1", "--rollouts", "1",
                 "--device", "cpu", "--torch-threads", "3"])

@@ -25,6 +25,7 @@ from rlseq.algos import MemoryPPO
 from rlseq.policies.memory import MEMORIES
 from rlseq.train import main as train_main
 from tests.helpers import collect_rollout as _collect
+from tests.helpers import record_torch_threads
 from tests.helpers import tiny_bench_train
 
 MEMORY_KWARGS = {
@@ -772,21 +773,11 @@ def test_the_torch_threads_rule():
     assert torch_threads(2, {"OMP_NUM_THREADS": "3"}) == (2, "--torch-threads")
 
 
-def _record_torch_threads(monkeypatch) -> list[int]:
-    """torch.set_num_threads's calls, recorded instead of made (the test process keeps its threads), with torch
-    reporting its one-per-core default of 2 and no OMP_NUM_THREADS set."""
-    calls: list[int] = []
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(torch, "set_num_threads", calls.append)
-    return calls
-
-
 def test_the_trainer_takes_one_torch_thread_unless_asked_and_ends_with_the_return_and_the_next_commands(
         tmp_path, capsys, monkeypatch):
     import yaml
 
-    calls = _record_torch_threads(monkeypatch)
+    calls = record_torch_threads(monkeypatch)
     train_main([*CARTPOLE, "--total-steps", "64", "--logdir", str(tmp_path)])
     run = tmp_path / "CartPole-v1" / "efla" / "seed0"
     assert calls == [1] and yaml.safe_load((run / "config.yaml").read_text())["torch_threads"] == 1
