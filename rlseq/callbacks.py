@@ -33,9 +33,10 @@ def tensorboard_logger(folder: Path, *, stdout: bool = False, purge_step: int | 
 class Progress(BaseCallback):
     """Progress of a training run from its first seconds, in place of SB3's progress bar.
 
-    After ``first_s`` seconds it prints the acting rate and, where the run would take more than an hour at that
-    rate on a CPU, that the config is sized for a GPU, with ``smaller`` (a command to use instead); a first
-    rollout that ends sooner gives the same warning from its measured rate. The estimate of the time the run
+    After ``first_s`` seconds it prints the acting rate (timed from the end of the first env step, which compiles)
+    and, where the run would take more than an hour at that rate on a CPU, that the config is sized for a GPU,
+    with ``smaller`` (a command to use instead); a first rollout that ends sooner gives the same warning from its
+    measured rate. The estimate of the time the run
     takes follows the second rollout and its update, timed without the first (which compiles and warms up, and
     on a GPU takes many times longer than the next). Then one line every ``every_s`` seconds (on a terminal: the
     same line rewritten every second) with the env steps, the rate, the time left at that rate (the estimate's
@@ -51,6 +52,8 @@ class Progress(BaseCallback):
         self.first_printed = self.estimate_printed = self.sized_for_gpu_said = False
         self.t1: float | None = None  # when the first rollout's update ended, and the env steps then
         self.n1 = 0
+        self.t_step: float | None = None  # when the first env step ended (acting's compilation and capture done)
+        self.n_step = 0
 
     def _on_training_start(self) -> None:
         self.t0 = self.last = time.perf_counter()
@@ -78,9 +81,11 @@ class Progress(BaseCallback):
 
     def _on_step(self) -> bool:
         now = time.perf_counter()
-        if not (self.first_printed or self.t1 is not None) and now - self.t0 >= self.first_s:
+        if self.t_step is None:
+            self.t_step, self.n_step = now, self.model.num_timesteps
+        elif not (self.first_printed or self.t1 is not None) and now - self.t0 >= self.first_s:
             self.first_printed = True
-            rate, left = self._rate(now), self._left()
+            rate, left = (self.model.num_timesteps - self.n_step) / max(now - self.t_step, 1e-9), self._left()
             print(f"{self._newline}first {now - self.t0:.0f} s: acting at {rate:,.0f} env-steps/s, so "
                   f"the remaining {left:,} steps take at least {_duration(left / rate)} (training comes on top; "
                   "the estimate follows the second rollout)", flush=True)
@@ -146,7 +151,8 @@ def closing_summary(model, folder: Path, logdir: Path, env_folder: str) -> str:
         f"done: {model.num_timesteps:,} env steps in {folder}; {returns}",
         "next:",
         f"  python -m rlseq.evaluate {shlex.quote(str(folder))} --episodes 100   # new episodes, unscaled return",
-        f"  python -m rlseq.compare {env_runs}   # against the other memories' runs of this env (--memory gru, none, ...)",
+        f"  python -m rlseq.compare {env_runs}   # against the other memories' runs of this env "
+        "(--memory gru, none, ...)",
         f"  tensorboard --logdir {env_runs}",
     ])
 

@@ -18,22 +18,20 @@ from collections.abc import Mapping
 DEFAULT_TORCH_THREADS = 1
 
 
-def torch_threads(asked: int | None, environ: Mapping[str, str] | None = None) -> tuple[int, str]:
-    """``(threads, what decided it)``: ``asked`` (the flag) if given, else a valid ``OMP_NUM_THREADS`` (a sweep
-    sets it per run), else :data:`DEFAULT_TORCH_THREADS`."""
+def torch_threads(asked: int | None, environ: Mapping[str, str] | None = None) -> int:
+    """``asked`` (the flag) if given, else a valid ``OMP_NUM_THREADS`` (a sweep sets it per run), else
+    :data:`DEFAULT_TORCH_THREADS`."""
     if asked is not None:
-        return asked, "--torch-threads"
+        return asked
     text = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "").strip()
-    if text.isdigit() and int(text) >= 1:
-        return int(text), "OMP_NUM_THREADS"
-    return DEFAULT_TORCH_THREADS, "default"
+    return int(text) if text.isdigit() and int(text) >= 1 else DEFAULT_TORCH_THREADS
 
 
 def set_torch_threads(asked: int | None) -> int:
     """Apply :func:`torch_threads` to this process; returns the count."""
     import torch
 
-    threads = torch_threads(asked)[0]
+    threads = torch_threads(asked)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return threads

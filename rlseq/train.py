@@ -278,8 +278,8 @@ def _extend_finished_run(args: argparse.Namespace, cfg: dict[str, Any], folder: 
     final = folder / "final_model.zip"
     steps = _saved_num_timesteps(final)
     if not args.resume or cfg["n_timesteps"] <= steps:
-        more = ("" if args.resume else
-                "; to train it further, add --resume" + ("" if cfg["n_timesteps"] > steps else " with a larger --total-steps"))
+        larger = "" if cfg["n_timesteps"] > steps else " with a larger --total-steps"
+        more = f"; to train it further, add --resume{larger}" if not args.resume else f"; --resume{larger} extends it"
         print(f"{folder} is finished already ({steps:,} env steps in final_model.zip); nothing to do{more}", flush=True)
         return False
     latest = resumable_checkpoint(folder / "checkpoints")[0]
@@ -297,8 +297,12 @@ def _saved_num_timesteps(path: Path) -> int:
     import json
     import zipfile
 
-    with zipfile.ZipFile(path) as z:
-        return int(json.loads(z.read("data"))["num_timesteps"])
+    try:
+        with zipfile.ZipFile(path) as z:
+            return int(json.loads(z.read("data"))["num_timesteps"])
+    except (zipfile.BadZipFile, KeyError, ValueError) as e:
+        raise UsageError(f"{path} is not a readable SB3 model ({e}); move it away to resume the run from its "
+                         "newest checkpoint") from None
 
 
 def _final_save(model, folder: Path) -> None:

@@ -65,6 +65,15 @@ def test_first_seconds_then_the_estimate_after_the_second_rollout_then_lines_tha
                      "5,510/100,000 env steps (6%), 50 env-steps/s, 31.5 min left, return 20 (scaled 2e+04)"]
 
 
+def test_the_first_seconds_rate_leaves_the_first_step_out(monkeypatch, capsys):
+    p, model, clock = _progress(monkeypatch, total=100_000, on_cpu=False)
+    clock.t += 6  # the first step compiles the acting kernels
+    model.num_timesteps += 10
+    p._on_step()
+    _advance(p, model, clock, seconds=8, steps=1600, per_call=100)
+    assert "first 10 s: acting at 200 env-steps/s" in capsys.readouterr().out
+
+
 def test_a_line_before_any_episode_ended_says_so(monkeypatch, capsys):
     p, model, clock = _progress(monkeypatch, total=1000, on_cpu=False)
     _advance(p, model, clock, seconds=30, steps=300)

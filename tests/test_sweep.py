@@ -356,6 +356,7 @@ def test_status_ends_with_the_counts(tmp_path, capsys):
     (folders[0] / "checkpoints" / "latest").write_text("step64\n")
     folders[1].mkdir()
     (folders[1] / "final_model.zip").write_bytes(b"")
-    runs = [S.Run(env="caveflyer", memory="efla", seed=i, condition="c", argv=[], folder=f) for i, f in enumerate(folders)]
+    runs = [S.Run(env="caveflyer", memory="efla", seed=i, condition="c", argv=[], folder=f)
+            for i, f in enumerate(folders)]
     S.print_status(runs)
     assert capsys.readouterr().out.splitlines()[-1] == "3 runs: 1 finished, 1 interrupted, 1 not started"

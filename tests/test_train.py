@@ -767,10 +767,10 @@ CARTPOLE = ["--env", "CartPole-v1", "--memory", "efla", "--n-envs", "2", "--n-st
 def test_the_torch_threads_rule():
     from rlseq.threads import torch_threads
 
-    assert torch_threads(None, {}) == (1, "default")
-    assert torch_threads(None, {"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
-    assert torch_threads(None, {"OMP_NUM_THREADS": "0"}) == (1, "default")
-    assert torch_threads(2, {"OMP_NUM_THREADS": "3"}) == (2, "--torch-threads")
+    assert torch_threads(None, {}) == 1
+    assert torch_threads(None, {"OMP_NUM_THREADS": "3"}) == 3
+    assert torch_threads(None, {"OMP_NUM_THREADS": "0"}) == torch_threads(None, {"OMP_NUM_THREADS": "four"}) == 1
+    assert torch_threads(2, {"OMP_NUM_THREADS": "3"}) == 2
 
 
 def test_the_trainer_takes_one_torch_thread_unless_asked_and_ends_with_the_return_and_the_next_commands(
