@@ -5,8 +5,9 @@ step is ``n_envs`` rows), where a second thread adds synchronisation rather than
 workers collapse once another process holds a core: on a 2-core VM with one other busy process, CartPole-v1 with
 ``--memory efla`` trained at 942 env-steps/s with torch's default and at 3,271 with one thread (docs/benchmarks.md).
 One thread per process also lets side-by-side runs (``sweep``, ``bench memory --jobs``) share the cores without
-oversubscribing them. A large CNN batch on an otherwise idle many-core CPU may gain from more: ask for them with
-``--torch-threads N`` or ``OMP_NUM_THREADS``.
+oversubscribing them. A CNN run on a CPU that nothing else uses gains from more (procgen's IMPALA CNN: about 2x
+with two threads on the idle VM, 0.6x beside one busy process): ask for them with ``--torch-threads N`` or
+``OMP_NUM_THREADS``.
 """
 
 from __future__ import annotations
