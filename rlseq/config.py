@@ -154,10 +154,12 @@ REQUIRED_KEYS = ("n_timesteps", "n_envs", "n_steps", "n_minibatches", "n_epochs"
 
 
 def check_flags(args: argparse.Namespace) -> list[str]:
-    """One message per bad flag that names no config key: --seed, --tag, --device."""
+    """One message per bad flag that names no config key: --seed, --torch-threads, --tag, --device."""
     problems = []
     if not 0 <= args.seed < 2**31:
         problems.append(f"--seed {args.seed} must be >= 0 and < 2**31 (procgen's level seeds are C ints)")
+    if getattr(args, "torch_threads", None) is not None and args.torch_threads < 1:
+        problems.append(f"--torch-threads {args.torch_threads} must be >= 1")
     if args.tag is not None and not TAG_PATTERN.fullmatch(args.tag):
         problems.append(f"--tag {args.tag!r} must be one plain folder name (letters, digits, . _ + = -, not starting "
                         "with . or -)")

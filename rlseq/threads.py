@@ -29,9 +29,11 @@ def torch_threads(asked: int | None, environ: Mapping[str, str] | None = None) -
 
 
 def set_torch_threads(asked: int | None) -> int:
-    """Apply :func:`torch_threads` to this process; returns the count."""
+    """Apply :func:`torch_threads` to this process; returns the count (a bad ``asked`` ends it with one line)."""
     import torch
 
+    if asked is not None and asked < 1:
+        raise SystemExit(f"error: --torch-threads {asked} must be >= 1")
     threads = torch_threads(asked)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
@@ -40,17 +42,7 @@ def set_torch_threads(asked: int | None) -> int:
 
 def add_torch_threads_argument(parser: argparse.ArgumentParser) -> None:
     """The ``--torch-threads`` flag, with the same default rule wherever it appears."""
-    parser.add_argument("--torch-threads", type=_at_least_one, default=None, metavar="N",
+    parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
                         help="torch intra-op threads (default: OMP_NUM_THREADS if set, else "
                              f"{DEFAULT_TORCH_THREADS}: small per-step tensors gain nothing from more, and torch's "
                              "one-per-core default collapses when another process holds a core)")
-
-
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value}")
-    return value
