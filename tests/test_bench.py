@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from rlseq.bench.__main__ import main as bench_main
 from tests.helpers import record_torch_threads
 
@@ -45,3 +47,18 @@ def test_the_same_options_baseline_ignores_the_options_order():
     assert _same_options_baseline("rlseq-efla+bf16+graph", base) == 2.0
     assert _same_options_baseline("rlseq-efla", base) == 1.0
     assert _same_options_baseline("rlseq-efla+bf16", base) is None
+
+
+def test_ctrl_c_in_a_bench_is_one_line_and_exit_130(capsys, monkeypatch):
+    import rlseq.bench.kernels as K
+
+    def interrupted(args):
+        print("| a row |", flush=True)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(K, "main", interrupted)
+    with pytest.raises(SystemExit) as e:
+        bench_main(["kernels"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 130 and out == "| a row |\n"
+    assert err == "stopped by SIGINT: the kernels rows printed above are complete, the rest was not measured\n"
