@@ -347,6 +347,11 @@ def stop_on_signals(callback: CheckpointCallback, signums: tuple[int, ...] = (si
         if callback._stop_asked:
             raise KeyboardInterrupt(signum)
         callback.request_stop(signum)
+        # at once, as a rollout can take a minute on a CPU; os.write, because a print here could land inside
+        # another print of the interrupted code (a reentrant write of sys.stderr raises)
+        os.write(2, f"\n{signal.Signals(signum).name}: stopping after this rollout and its update, with a checkpoint; "
+                    "a second signal stops at once (a resume then continues from the newest checkpoint on disk)\n"
+                 .encode())
 
     previous = {s: signal.signal(s, handler) for s in signums}
     try:

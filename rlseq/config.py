@@ -157,10 +157,12 @@ REQUIRED_KEYS = ("n_timesteps", "n_envs", "n_steps", "n_minibatches", "n_epochs"
 
 
 def check_flags(args: argparse.Namespace) -> list[str]:
-    """One message per bad flag that names no config key: --seed, --tag, --device."""
+    """One message per bad flag that names no config key: --seed, --torch-threads, --tag, --device."""
     problems = []
     if not 0 <= args.seed < 2**31:
         problems.append(f"--seed {args.seed} must be >= 0 and < 2**31 (procgen's level seeds are C ints)")
+    if getattr(args, "torch_threads", None) is not None and args.torch_threads < 1:
+        problems.append(f"--torch-threads {args.torch_threads} must be >= 1")
     if args.tag is not None and not TAG_PATTERN.fullmatch(args.tag):
         problems.append(f"--tag {args.tag!r} must be one plain folder name (letters, digits, . _ + = -, not starting "
                         "with . or -)")
@@ -194,19 +196,39 @@ def memories() -> tuple[str, ...]:
     return tuple(MEMORIES)
 
 
+def read_yaml(path: Path, what: str = "config file") -> Any:
+    """The contents of a YAML file; a missing file or a syntax error is one :class:`UsageError` line naming the
+    place."""
+    if not path.exists():
+        raise UsageError(f"{what} {path} does not exist")
+    try:
+        with open(path) as f:
+            return yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise UsageError(f"{what} {path} is not valid YAML{where}: {problem}") from None
+
+
 def load_config(path: Path, env: str, family: str = "procgen") -> dict[str, Any]:
     """The hyperparameters of ``env`` from an RL Zoo-style file (its own key, else the default entry named like
     its ``family``: ``procgen``, ``popgym`` or ``gym``)."""
-    if not path.exists():
-        raise UsageError(f"config file {path} does not exist")
-    with open(path) as f:
-        table = yaml.safe_load(f) or {}
-    if env in table:
-        return copy.deepcopy(table[env])
-    if family in table:
-        return copy.deepcopy(table[family])
-    raise UsageError(f"{path} has no entry for {env!r} and no {family!r} default; "
-                     f"entries: {', '.join(map(str, table))}")
+    table = read_yaml(path) or {}
+    if not isinstance(table, dict):
+        raise UsageError(f"{path} must map env ids (or the default entry {family!r}) to hyperparameters")
+    key = env if env in table else family if family in table else None
+    if key is None:
+        flat = [str(k) for k in table if k in CONFIG_KEYS]
+        hint = (f"; {', '.join(flat)} {'are hyperparameters' if len(flat) > 1 else 'is a hyperparameter'}: put "
+                f"{'them' if len(flat) > 1 else 'it'} under {env}: (this env) or {family}: (every {family} env)"
+                if flat else "")
+        raise UsageError(f"{path} has no entry for {env!r} and no {family!r} default; "
+                         f"entries: {', '.join(map(str, table)) or 'none'}{hint}")
+    entry = table[key]
+    if entry is not None and not isinstance(entry, dict):
+        raise UsageError(f"the entry {key!r} of {path} must be a mapping of hyperparameters (key: value)")
+    return copy.deepcopy(entry or {})
 
 
 def resolve(args: argparse.Namespace) -> dict[str, Any]:
@@ -233,16 +255,23 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     if getattr(args, "fast", False) and args.algo != "rlseq":
         raise UsageError("--fast needs --algo rlseq (its bf16 CNN and channels-last are MemoryPPO's; sb3-contrib's "
                          "RecurrentPPO has no autocast): give --fused-adam --tf32 instead")
-    path = Path(args.config) if args.config else FAMILY_CONFIGS[family]
-    cfg = load_config(path, env, family)
-    problems = unknown_keys(cfg, f"{path} (entry of {env})") + check_flags(args)
-    origin = dict.fromkeys(cfg, str(path))
+    base = FAMILY_CONFIGS[family]
+    cfg = load_config(base, env, family)
+    problems = unknown_keys(cfg, f"{base} (entry of {env})")
+    origin = dict.fromkeys(cfg, str(base))
+    if args.config:  # RL Zoo-style: the file's entry overrides the family's defaults key by key
+        path = Path(args.config)
+        override = load_config(path, env, family)
+        problems += unknown_keys(override, f"{path} (entry of {env})")
+        cfg.update(override)
+        origin.update(dict.fromkeys(override, str(path)))
+    problems += check_flags(args)
     for flag, key in FLAG_TO_KEY.items():
         value, option = asked(args, flag)
         if value is not None:
             cfg[key], origin[key] = value, option
     problems += check_values(cfg, origin)
-    problems += [f"{key} is missing from {path} (entry of {env})" for key in REQUIRED_KEYS if key not in cfg]
+    problems += [f"{key} is missing from {base} (entry of {env})" for key in REQUIRED_KEYS if key not in cfg]
     if problems:
         raise UsageError("\n".join(problems))
     env_kwargs = cfg["env_kwargs"] = dict(cfg.get("env_kwargs") or {})

@@ -60,7 +60,8 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
              start_level: int | None = None, device: str = "auto", progress: bool = True) -> dict[str, float]:
     """Play ``episodes`` episodes on held-out levels (procgen, see :func:`evaluation_levels`) or new env seeds
     (gymnasium envs, from ``EVAL_SEED_OFFSET + seed``); returns mean/std/min/max of the unscaled return, and
-    ``start_level``, ``num_levels``, ``held_out`` and ``level_seeds`` (procgen) or ``first_seed`` (gymnasium)."""
+    ``start_level``, ``num_levels``, ``held_out`` and ``level_seeds`` (procgen) or ``first_seed`` (gymnasium), and
+    ``model``, the file played (relative to ``run_dir``: ``final_model.zip`` or a checkpoint's model)."""
     from tqdm.auto import tqdm
 
     from rlseq.train import _algo_class, _family, make_env
@@ -81,7 +82,8 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
         seed += EVAL_SEED_OFFSET
         where = {"first_seed": seed}
     venv = make_env({**cfg, "env_kwargs": env_kwargs, "n_envs": n_envs}, seed=seed, training=False)
-    model = _algo_class(cfg).load(find_model(run_dir), device=device)
+    model_path = find_model(run_dir)
+    model = _algo_class(cfg).load(model_path, device=device)
     obs = venv.reset()
     state, starts = None, np.ones(n_envs, dtype=bool)
     returns: list[float] = []
@@ -103,7 +105,8 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
     venv.close()
     r = np.asarray(returns)
     return {"episodes": len(r), "mean": float(r.mean()), "std": float(r.std(ddof=1)) if len(r) > 1 else float("nan"),
-            "min": float(r.min()), "max": float(r.max()), **where, **({"level_seeds": levels} if levels else {})}
+            "min": float(r.min()), "max": float(r.max()), "model": str(model_path.relative_to(run_dir)), **where,
+            **({"level_seeds": levels} if levels else {})}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,9 +126,11 @@ def main(argv: list[str] | None = None) -> None:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    where = _where(res)
-    print(f"{args.run_dir}: return {res['mean']:.3f} ± {res['std']:.3f} (std over {res['episodes']} episodes; "
-          f"min {res['min']:.3f}, max {res['max']:.3f}; {where})")
+    spread = (f" ± {res['std']:.3f} (std over {res['episodes']} episodes; min {res['min']:.3f}, max {res['max']:.3f}; "
+              if res["episodes"] > 1 else " (1 episode; ")
+    model = "" if res["model"] == "final_model.zip" else \
+        f"; model {res['model']}: the run has no final_model.zip, this is its newest intact checkpoint"
+    print(f"{args.run_dir}: return {res['mean']:.3f}{spread}{_where(res)}{model})")
 
 
 def _where(res: dict) -> str:

@@ -596,15 +596,18 @@ def _on_end(ray: Any, run: Run, ref: Any, bar: Any, *, stopping: bool) -> None:
 
 
 def print_status(runs: list[Run]) -> None:
-    """One line per run: finished, or the env steps of its newest checkpoint."""
+    """One line per run (finished, the env steps of its newest checkpoint, or not started), then the counts."""
+    counts = dict.fromkeys(("finished", "interrupted", "not started"), 0)
     for r in runs:
         if (r.folder / "final_model.zip").exists():
-            state = "finished"
+            state = kind = "finished"
         elif r.folder.exists():
-            state = f"interrupted at {run_progress(r):,} steps (checkpoint)"
+            state, kind = f"interrupted at {run_progress(r):,} steps (checkpoint)", "interrupted"
         else:
-            state = "not started"
+            state = kind = "not started"
+        counts[kind] += 1
         print(f"{r.name:45} {state}")
+    print(f"{len(runs)} runs: " + ", ".join(f"{n} {kind}" for kind, n in counts.items()))
 
 
 def _parse_only(items: list[str]) -> dict[str, set[str]]:
@@ -639,7 +642,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logdir", default=None, help="override the file's logdir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (the start/end lines stay)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and exit")
-    p.add_argument("--status", action="store_true", help="print each run's state and exit")
+    p.add_argument("--status", action="store_true", help="print each run's state and the counts, and exit")
     return p
 
 

@@ -13,7 +13,8 @@
 importing the ``--env-package`` modules (``popgym-...`` ids import popgym by themselves); see
 :func:`rlseq.envs.resolve_env_id`. Hyperparameters come from the env family's RL Zoo-style file, keyed by env
 (a default entry for the rest): ``configs/procgen.yml`` (default ``procgen``), ``configs/popgym.yml``
-(``popgym``) or ``configs/gym.yml`` (``gym``, every other gymnasium id); ``--config FILE`` replaces it.
+(``popgym``) or ``configs/gym.yml`` (``gym``, every other gymnasium id); ``--config FILE``, a file of the same
+form, overrides it key by key (an entry of two keys changes those two), and flags override both.
 
 Runs land in ``<logdir>/<env>/<variant>/seed<N>/`` (``env`` the id with ``/`` as ``_``, e.g. ``ALE_Pong-v5``;
 ``variant`` = memory, ``sb3-`` prefixed for the sb3-contrib algorithm, ``-<tag>`` appended), so
@@ -46,6 +47,7 @@ from rlseq.config import (  # noqa: F401
     resolve,
 )
 from rlseq.resume import _load_checkpoint, _resume_point, refuse_changed_settings, resumed_env_seed  # noqa: F401
+from rlseq.threads import add_torch_threads_argument, set_torch_threads
 
 
 class _MemoryNames:
@@ -79,6 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-levels", type=int, default=None, help="procgen only")
     p.add_argument("--start-level", type=int, default=None, help="procgen only")
     p.add_argument("--num-threads", type=int, default=None, help="procgen only: worker threads")
+    add_torch_threads_argument(p)
     p.add_argument("--reward-scale", type=float, default=None, help="multiply rewards (ScaleReward)")
     p.add_argument("--value-shift", "--value-scale", dest="value_shift", type=float, default=None,
                    help="shift value targets by this much without changing the task (PotentialValueShift)")
@@ -123,16 +126,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--logdir", default="runs")
     p.add_argument("--tag", default=None, help="suffix of the run's variant folder, e.g. reward1e3")
     p.add_argument("--config", default=None,
-                   help="RL Zoo-style YAML file keyed by env, with a default entry named procgen, popgym or gym "
-                        "(default: configs/procgen.yml, configs/popgym.yml or configs/gym.yml of the repo, by --env)")
+                   help="RL Zoo-style YAML file keyed by env id, or with a default entry named procgen, popgym or "
+                        "gym: the keys of its entry override those of the repo's configs/procgen.yml, "
+                        "configs/popgym.yml or configs/gym.yml (by --env); the other keys keep their defaults")
     p.add_argument("--checkpoint-every", type=float, default=None, help="env steps between atomic checkpoints")
     p.add_argument("--resume", action="store_true",
                    help="continue the run folder from its newest intact checkpoint (other hyperparameters are refused; "
                         "--total-steps and --checkpoint-every may change). SIGINT and SIGTERM save a checkpoint at "
                         "the next rollout start and print this command")
     p.add_argument("--no-progress-bar", action="store_true",
-                   help="no progress lines (the speed after 10 s and the estimate after the first update are "
-                        "printed still; otherwise then a line every second on a terminal, every 30 s in a log file)")
+                   help="no progress lines (the speed after 10 s, the estimate after the second rollout and the "
+                        "closing summary are printed still; otherwise a line with the speed, the time left and the "
+                        "recent mean return every second on a terminal, every 30 s in a log file)")
     p.add_argument("--verbose", type=int, default=0)
     return p
 
@@ -196,6 +201,7 @@ def train(args: argparse.Namespace) -> Path:
 
     cfg = resolve(args)
     cfg["verbose"] = args.verbose
+    cfg["torch_threads"] = set_torch_threads(getattr(args, "torch_threads", None))
     # exact by default: with TF32, acting (batch n_envs) and training (batch B*T) pick different conv kernels
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = cfg["tf32"]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -214,13 +220,14 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     """:func:`train` once it holds the run folder's lock."""
     from stable_baselines3.common.callbacks import CallbackList
 
-    from rlseq.callbacks import Progress, tensorboard_logger
+    from rlseq.callbacks import Progress, closing_summary, tensorboard_logger
     from rlseq.checkpoint import LOCK_NAME, CheckpointCallback, stop_on_signals, write_text_atomic
     from rlseq.envs import ScaledReturnLogger
 
     ckpt_root = folder / "checkpoints"
-    if (folder / "final_model.zip").exists():  # checked under the lock: no other process can be finishing it
-        print(f"{folder} is finished already (final_model.zip exists); nothing to do")
+    # checked under the lock: no other process can be finishing it
+    extending = (folder / "final_model.zip").exists()
+    if extending and not _extend_finished_run(args, cfg, folder):
         return folder
     if any(p.name != LOCK_NAME for p in folder.iterdir()) and not args.resume:
         raise UsageError(f"run folder {folder} exists; pass --resume to continue it, or another --seed/--tag/--logdir")
@@ -233,6 +240,8 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
         refuse_changed_settings(cfg, folder, latest)
         model, env = _load_checkpoint(latest, cfg, args, device)
         print(f"resuming {folder} from {latest.name} ({model.num_timesteps:,} env steps done)", flush=True)
+    if extending:  # once the checkpoint has loaded with these settings: until the run ends again it is unfinished
+        (folder / "final_model.zip").unlink()
     if cfg["algo"] == "rlseq":  # what runs, not "auto" (a True that cannot be used warns and trains eagerly)
         cfg["cuda_graph_train"] = model.trains_from_graph()
     # written once the model is known, so that a resumed run records the precision it really trains with
@@ -259,12 +268,48 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
         _final_save(model, folder, settings)
         env.close()
         if not pending:
-            print(f"done: {model.num_timesteps:,} env steps in {folder}", flush=True)
+            print(closing_summary(model, folder, Path(args.logdir), env_folder(cfg["env"])), flush=True)
     if pending:
         print(f"stopped by {signal.Signals(pending[0]).name} during the final save, which completed: "
               f"{model.num_timesteps:,} env steps in {folder / 'final_model.zip'}", file=sys.stderr, flush=True)
         raise SystemExit(128 + pending[0])
     return folder
+
+
+def _extend_finished_run(args: argparse.Namespace, cfg: dict[str, Any], folder: Path) -> bool:
+    """Whether a finished run goes on: ``--resume`` with a larger ``--total-steps`` continues from the checkpoint
+    that the final save wrote with ``final_model.zip`` (the caller removes that file once the checkpoint has
+    loaded, and the longer run writes it again). Otherwise says the run is finished."""
+    from rlseq.checkpoint import resumable_checkpoint
+
+    final = folder / "final_model.zip"
+    steps = _saved_num_timesteps(final)
+    if not args.resume or cfg["n_timesteps"] <= steps:
+        larger = "" if cfg["n_timesteps"] > steps else " with a larger --total-steps"
+        more = f"; to train it further, add --resume{larger}" if not args.resume else f"; --resume{larger} extends it"
+        print(f"{folder} is finished already ({steps:,} env steps in final_model.zip); nothing to do{more}", flush=True)
+        return False
+    latest = resumable_checkpoint(folder / "checkpoints")[0]
+    if latest is None or int(latest.name[len("step"):]) != steps:
+        raise UsageError(f"{folder} is finished, but no intact checkpoint holds its last step ({steps:,} env steps), "
+                         "so its optimizer and random state are gone: start a new run with another --tag to train "
+                         "longer")
+    print(f"extending the finished run {folder} from {steps:,} to {cfg['n_timesteps']:,} env steps from "
+          f"{latest.name} (final_model.zip is written again when it ends)", flush=True)
+    return True
+
+
+def _saved_num_timesteps(path: Path) -> int:
+    """The env steps of an SB3 model zip, read from its ``data`` entry without building the model."""
+    import json
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(path) as z:
+            return int(json.loads(z.read("data"))["num_timesteps"])
+    except (zipfile.BadZipFile, KeyError, ValueError) as e:
+        raise UsageError(f"{path} is not a readable SB3 model ({e}); move it away to resume the run from its "
+                         "newest checkpoint") from None
 
 
 def _final_save(model, folder: Path, settings: dict[str, Any]) -> None:

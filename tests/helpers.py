@@ -1,5 +1,6 @@
-"""Test helpers: the comparison of eager and CUDA-graph rollouts, and a tiny `bench train` call (the kernel inputs
-and their error measure live in rlseq.bench.kernels, shared with the benchmarks)."""
+"""Test helpers: the comparison of eager and CUDA-graph rollouts, a tiny `bench train` call and torch's thread
+setting recorded instead of made (the kernel inputs and their error measure live in rlseq.bench.kernels, shared
+with the benchmarks)."""
 
 from __future__ import annotations
 
@@ -95,3 +96,13 @@ def check_non_finite_stays_in_its_episode(rule: str, backend: str, dtype: torch.
             assert torch.isfinite(ref[0, 24:]).all() and torch.isfinite(ref[1, 20:, 0]).all(), n
         fin = torch.isfinite(ref)
         assert rel_err(got[fin], ref[fin]) < tol, (n, rel_err(got[fin], ref[fin]))
+
+
+def record_torch_threads(monkeypatch) -> list[int]:
+    """torch.set_num_threads's calls, recorded instead of made (the test process keeps its threads), with torch
+    reporting its one-per-core default of 2 and no OMP_NUM_THREADS set."""
+    calls: list[int] = []
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(torch, "set_num_threads", calls.append)
+    return calls

@@ -303,6 +303,22 @@ def test_diagnostics_summary_peaks_and_tail() -> None:
     assert math.isnan(r["state_norm_peak_max"])
 
 
+def test_every_diagnostics_panel_has_a_y_axis_label(monkeypatch, tmp_path: Path) -> None:
+    from rlseq.compare import plots
+
+    rows = [("cave", variant, 0, step, tag, 1.0 + step) for variant in ("efla", "none") for step in (0, 100)
+            for tag in compare.DIAGNOSTIC_TAGS]
+    figures = []
+    monkeypatch.setattr(plots, "_finish", lambda fig, handles, path: figures.append(fig))
+    plots.plot_diagnostics(pd.DataFrame(rows, columns=compare.COLUMNS), tmp_path / "d.png")
+    (fig,) = figures
+    assert [ax.get_ylabel() for ax in fig.axes] == ["fraction of gates > 0.99", "largest key norm",
+                                                    "largest memory-state norm", "non-finite events so far"]
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
 def test_cli_baseline_panels_and_scalars_roundtrip(runs_root: Path, tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     out, csv = tmp_path / "out", tmp_path / "s" / "scalars.csv.gz"

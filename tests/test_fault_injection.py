@@ -53,7 +53,7 @@ def _read_until(server: subprocess.Popen, lines: list[str], *starts: str) -> str
 
 
 def _train_until_killed(server: subprocess.Popen, argv: list[str], delay: float) -> bool:
-    """Train ``argv`` in a process forked by ``server``; once it trains (its second rollout has started), wait
+    """Train ``argv`` in a process forked by ``server``; once it trains (its third rollout has started), wait
     ``delay`` s and SIGKILL it. Returns whether it was killed (it may have finished first)."""
     server.stdin.write(json.dumps(argv) + "\n")
     server.stdin.flush()

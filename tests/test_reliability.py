@@ -207,7 +207,7 @@ def test_a_signal_saves_a_checkpoint_prints_one_resume_line_and_exits_128_plus_t
     argv = [*BASE, "--logdir", str(tmp_path), "--total-steps", "100000", "--checkpoint-every", "100000"]
     proc = subprocess.Popen([sys.executable, "-m", "rlseq.train", *argv], cwd=REPO, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONWARNINGS="ignore"))
-    line = proc.stdout.readline()  # printed at the second rollout start: training (and its handlers) running
+    line = proc.stdout.readline()  # printed at the third rollout start: training (and its handlers) running
     assert line.startswith("measured"), line + proc.stderr.read()
     proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
@@ -222,6 +222,18 @@ def test_a_signal_saves_a_checkpoint_prints_one_resume_line_and_exits_128_plus_t
 
     assert int(step) >= 16 and checkpoint_problem(folder) is None
     assert resumable_checkpoint(folder.parent) == (folder, [])
+
+
+def test_a_first_signal_while_training_is_acknowledged_at_once(tmp_path, capfd):
+    from rlseq.checkpoint import CheckpointCallback, stop_on_signals
+
+    callback = CheckpointCallback(tmp_path, every=100)
+    with stop_on_signals(callback):
+        signal.raise_signal(signal.SIGINT)  # the handler runs before the next line, mid-rollout as far as it knows
+        assert capfd.readouterr().err == ("\nSIGINT: stopping after this rollout and its update, with a checkpoint; a "
+                                          "second signal stops at once (a resume then continues from the newest "
+                                          "checkpoint on disk)\n")
+    assert callback._stop_asked == signal.SIGINT and callback.stopped_by is None
 
 
 # a training process that sends itself ``signum`` from inside a function of the product: at the start of the model
@@ -387,6 +399,40 @@ def test_clip_range_yes_in_yaml_is_refused(tmp_path, capsys, monkeypatch):
     path.write_text(path.read_text().replace("clip_range: 0.2", "clip_range: yes"))
     lines = _refused(["--env", ENV, "--config", str(path)], tmp_path, capsys, monkeypatch)
     assert lines == [f"error: clip_range True must be a number (YAML reads yes/no/on/off as booleans) ({path})"]
+
+
+def test_a_config_file_of_two_keys_overrides_the_family_defaults(tmp_path):
+    from rlseq.train import build_parser, resolve
+
+    path = tmp_path / "two.yml"
+    path.write_text(f"{ENV}:\n  n_envs: 4\n  learning_rate: 1.0e-3\n")
+    cfg = resolve(build_parser().parse_args(["--env", ENV, "--config", str(path)]))
+    defaults = resolve(build_parser().parse_args(["--env", ENV]))
+    assert (cfg["n_envs"], cfg["learning_rate"]) == (4, 1e-3)
+    assert {k: v for k, v in cfg.items() if k not in ("n_envs", "learning_rate")} == \
+        {k: v for k, v in defaults.items() if k not in ("n_envs", "learning_rate")}
+
+
+def test_a_typo_in_a_two_key_config_file_is_one_line_with_the_close_match(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "two.yml"
+    path.write_text("popgym:\n  n_envs: 4\n  learnign_rate: 1.0e-3\n")
+    lines = _refused(["--env", ENV, "--config", str(path)], tmp_path, capsys, monkeypatch)
+    assert len(lines) == 1 and "unknown key 'learnign_rate'" in lines[0] and "did you mean learning_rate?" in lines[0]
+
+
+def test_a_yaml_syntax_error_in_a_config_file_is_one_line_with_its_place(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "bad.yml"
+    path.write_text("popgym:\n  n_envs: [4\n  gamma: 0.9\n")
+    lines = _refused(["--env", ENV, "--config", str(path)], tmp_path, capsys, monkeypatch)
+    assert len(lines) == 1 and lines[0].startswith(f"error: config file {path} is not valid YAML at line 3, column")
+
+
+def test_hyperparameters_outside_an_env_entry_are_refused_with_where_they_go(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "flat.yml"
+    path.write_text("n_envs: 4\n")
+    lines = _refused(["--env", ENV, "--config", str(path)], tmp_path, capsys, monkeypatch)
+    assert lines == [f"error: {path} has no entry for '{ENV}' and no 'popgym' default; entries: n_envs; n_envs is a "
+                     f"hyperparameter: put it under {ENV}: (this env) or popgym: (every popgym env)"]
 
 
 def test_numeric_strings_are_accepted_for_number_keys(tmp_path):

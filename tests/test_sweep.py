@@ -223,7 +223,9 @@ def test_a_tiny_sweep_runs_in_parallel_and_a_second_invocation_starts_nothing(tm
     assert {f: f.stat().st_mtime_ns for d in folders for f in d.rglob("*") if f.is_file()} == before
     assert [r["state"] for r in _status(tmp_path).values()] == ["finished", "finished"]
     assert S.main([str(path), "--status"]) == 0
-    assert [line.split()[-1] for line in capsys.readouterr().out.splitlines()] == ["finished", "finished"]
+    *lines, summary = capsys.readouterr().out.splitlines()
+    assert [line.split()[-1] for line in lines] == ["finished", "finished"]
+    assert summary == "2 runs: 2 finished, 0 interrupted, 0 not started"
     assert S.main([str(path), "--dry-run"]) == 0
     assert all(line.endswith("--resume (finished)") for line in capsys.readouterr().out.splitlines())
 
@@ -388,3 +390,15 @@ def test_two_sweeps_over_one_tree_train_each_run_once_and_record_none_as_failed(
     # the status file holds what the sweep that ended last saw: every run finished
     status = _status(tmp_path)
     assert list(status) == names and all(row["state"] in ("done", "finished") for row in status.values()), status
+
+
+def test_status_ends_with_the_counts(tmp_path, capsys):
+    folders = [tmp_path / name for name in ("a", "b", "c")]
+    (folders[0] / "checkpoints" / "step64").mkdir(parents=True)
+    (folders[0] / "checkpoints" / "latest").write_text("step64\n")
+    folders[1].mkdir()
+    (folders[1] / "final_model.zip").write_bytes(b"")
+    runs = [S.Run(env="caveflyer", memory="efla", seed=i, condition="c", argv=[], folder=f)
+            for i, f in enumerate(folders)]
+    S.print_status(runs)
+    assert capsys.readouterr().out.splitlines()[-1] == "3 runs: 1 finished, 1 interrupted, 1 not started"

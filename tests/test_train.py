@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ from rlseq.algos import MemoryPPO
 from rlseq.policies.memory import MEMORIES
 from rlseq.train import main as train_main
 from tests.helpers import collect_rollout as _collect
+from tests.helpers import record_torch_threads
 from tests.helpers import tiny_bench_train
 
 MEMORY_KWARGS = {
@@ -754,3 +756,78 @@ def test_fast_on_the_cpu_trains_records_what_ran_and_must_agree_with_the_checkpo
     train_main(base + ["--total-steps", "64", "--resume", "--fast"])  # the same command plus --resume
     assert MemoryPPO.load(fast_run / "final_model.zip", device="cpu").num_timesteps == 64
     assert yaml.safe_load((fast_run / "config.yaml").read_text())["tf32"] is True
+
+
+# --- torch threads, the closing summary, extending a finished run, evaluating an interrupted one -------------
+
+CARTPOLE = ["--env", "CartPole-v1", "--memory", "efla", "--n-envs", "2", "--n-steps", "32", "--n-minibatches", "1",
+            "--n-epochs", "1", "--no-progress-bar"]
+
+
+def test_the_torch_threads_rule():
+    from rlseq.threads import torch_threads
+
+    assert torch_threads(None, {}) == 1
+    assert torch_threads(None, {"OMP_NUM_THREADS": "3"}) == 3
+    assert torch_threads(None, {"OMP_NUM_THREADS": "0"}) == torch_threads(None, {"OMP_NUM_THREADS": "four"}) == 1
+    assert torch_threads(2, {"OMP_NUM_THREADS": "3"}) == 2
+
+
+def test_the_trainer_takes_one_torch_thread_unless_asked_and_ends_with_the_return_and_the_next_commands(
+        tmp_path, capsys, monkeypatch):
+    import yaml
+
+    calls = record_torch_threads(monkeypatch)
+    train_main([*CARTPOLE, "--total-steps", "64", "--logdir", str(tmp_path)])
+    run = tmp_path / "CartPole-v1" / "efla" / "seed0"
+    assert calls == [1] and yaml.safe_load((run / "config.yaml").read_text())["torch_threads"] == 1
+    out = capsys.readouterr().out.splitlines()
+    done = next(i for i, line in enumerate(out) if line.startswith("done: "))
+    assert re.fullmatch(rf"done: 64 env steps in {re.escape(str(run))}; return [\d.]+, the mean of the last \d+ "
+                        r"episodes?", out[done])
+    assert out[done + 1:] == ["next:",
+                              f"  python -m rlseq.evaluate {run} --episodes 100   # new episodes, unscaled return",
+                              f"  python -m rlseq.compare {tmp_path / 'CartPole-v1'}   # against the other memories' "
+                              "runs of this env (--memory gru, none, ...)",
+                              f"  tensorboard --logdir {tmp_path / 'CartPole-v1'}"]
+    train_main([*CARTPOLE, "--total-steps", "64", "--logdir", str(tmp_path), "--seed", "1", "--torch-threads", "3"])
+    assert calls == [1, 3]
+    with pytest.raises(SystemExit) as e:
+        train_main([*CARTPOLE, "--logdir", str(tmp_path), "--seed", "2", "--torch-threads", "0"])
+    assert e.value.code == 2 and capsys.readouterr().err == "error: --torch-threads 0 must be >= 1\n"
+
+
+def test_resume_with_a_larger_total_steps_extends_a_finished_run(tmp_path, capsys):
+    argv = [*CARTPOLE, "--logdir", str(tmp_path)]
+    run = tmp_path / "CartPole-v1" / "efla" / "seed0"
+    train_main([*argv, "--total-steps", "64"])
+    final = run / "final_model.zip"
+    before = final.read_bytes()
+    train_main([*argv, "--total-steps", "128"])  # without --resume: it says how
+    assert "finished already (64 env steps in final_model.zip); nothing to do; to train it further, add --resume" \
+        in capsys.readouterr().out and final.read_bytes() == before
+    with pytest.raises(SystemExit):  # a changed setting is refused, and the run stays finished
+        train_main([*argv, "--total-steps", "128", "--resume", "--learning-rate", "0.1"])
+    assert "learning_rate" in capsys.readouterr().err and final.read_bytes() == before
+
+    train_main([*argv, "--total-steps", "128", "--resume"])
+    out = capsys.readouterr().out
+    assert f"extending the finished run {run} from 64 to 128 env steps from step64" in out
+    assert MemoryPPO.load(final, device="cpu").num_timesteps == 128
+    assert [s for s, _ in _scalars(run, "time/fps")] == [64, 128]  # one curve, continued
+    train_main([*argv, "--total-steps", "128", "--resume"])
+    assert "finished already (128 env steps" in capsys.readouterr().out
+
+
+def test_evaluate_names_the_checkpoint_of_an_interrupted_run_and_one_episode_has_no_spread(tmp_path, capsys):
+    from rlseq.evaluate import main as evaluate_main
+
+    train_main([*CARTPOLE, "--total-steps", "64", "--logdir", str(tmp_path)])
+    run = tmp_path / "CartPole-v1" / "efla" / "seed0"
+    (run / "final_model.zip").unlink()  # what a stopped run leaves: its checkpoints
+    capsys.readouterr()
+    evaluate_main([str(run), "--episodes", "1", "--n-envs", "1"])
+    line = capsys.readouterr().out.strip()
+    assert re.fullmatch(rf"{re.escape(str(run))}: return [\d.]+ \(1 episode; env seeds from \d+; model "
+                        r"checkpoints/step64/model.zip: the run has no final_model.zip, this is its newest intact "
+                        r"checkpoint\)", line), line

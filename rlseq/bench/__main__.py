@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
+import sys
 
 SUITES = {
     "kernels": ("rlseq.bench.kernels", "chunk_rule fwd+bwd and step_rule per backend at RL shapes"),
@@ -20,7 +22,12 @@ def main(argv: list[str] | None = None) -> None:
     for name, (module, help_text) in SUITES.items():
         importlib.import_module(module).add_arguments(sub.add_parser(name, help=help_text, description=help_text))
     args = parser.parse_args(argv)
-    importlib.import_module(SUITES[args.suite][0]).main(args)
+    try:
+        importlib.import_module(SUITES[args.suite][0]).main(args)
+    except KeyboardInterrupt:  # a timing loop cut short: what it printed stands, the rest is not worth a traceback
+        print(f"stopped by SIGINT: the {args.suite} rows printed above are complete, the rest was not measured",
+              file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGINT) from None
 
 
 if __name__ == "__main__":

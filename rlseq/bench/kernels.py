@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from rlseq.bench.timing import describe_environment, graph_ms, round_robin, row
 from rlseq.kernels import chunk_rule, step_rule, triton_available
+from rlseq.threads import add_torch_threads_argument, set_torch_threads
 
 FIELDS = ("q", "k", "v", "beta", "initial_state")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -156,6 +157,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backends", nargs="+", default=None, help="default: every backend available on the device")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=5, help="CPU: timed round-robin rounds (default 5)")
+    add_torch_threads_argument(parser)
     parser.add_argument("--fla", action="store_true",
                         help="add flash-linear-attention rows when importable (GPU): chunk_delta_rule (bf16) and "
                              "fused_recurrent_delta_rule (fp32), DeltaNet on unit keys, no resets (fla has none)")
@@ -244,6 +246,7 @@ def step_rows(args: argparse.Namespace, device: torch.device, backends: list[str
 
 
 def main(args: argparse.Namespace) -> None:
+    set_torch_threads(args.torch_threads)  # the trainer's rule: the CPU rows time what a training run does
     device = torch.device(args.device)
     backends = args.backends or [b for b in ("reference", "torch", "triton") if b != "triton" or triton_available(device)]
     print(describe_environment(device))

@@ -37,6 +37,7 @@ import time
 import torch
 
 from rlseq.bench.timing import describe_environment, round_robin, row
+from rlseq.threads import add_torch_threads_argument, set_torch_threads
 
 VARIANTS = ("rlseq-none", "rlseq-efla", "rlseq-deltanet", "rlseq-gru", "rlseq-lstm", "sb3-lstm", "sb3-lstm-impala", "sb3-ppo")
 # per-variant settings: VARIANT+OPTION[+OPTION...]
@@ -55,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n-minibatches", type=int, default=None)
     parser.add_argument("--n-epochs", type=int, default=None)
     parser.add_argument("--num-threads", type=int, default=None, help="procgen threads")
+    add_torch_threads_argument(parser)
     parser.add_argument("--warmup", type=int, default=1, help="untimed rollouts first")
     parser.add_argument("--rollouts", type=int, default=2, help="timed rollouts")
     parser.add_argument("--sequential", action="store_true",
@@ -232,6 +234,7 @@ def _same_options_baseline(variant: str, base: dict[str, float]) -> float | None
 
 
 def main(args: argparse.Namespace) -> None:
+    set_torch_threads(args.torch_threads)  # the trainer's rule, so that the rates are those of rlseq.train
     if args.variants is None:  # the IMPALA-CNN anchor needs images: procgen's
         from rlseq.envs import env_family
 

@@ -14,6 +14,13 @@ DIAGNOSTIC_TAGS = (
     "memory/nonfinite_events",
 )
 # what --save-scalars keeps besides every rollout/, memory/ and time/ tag: enough to redo every figure and table
+# the y-axis label of each diagnostics panel
+DIAGNOSTIC_LABELS = {
+    "memory/gate_saturated_frac": "fraction of gates > 0.99",
+    "memory/key_norm_max": "largest key norm",
+    "memory/state_norm_max": "largest memory-state norm",
+    "memory/nonfinite_events": "non-finite events so far",
+}
 SAVED_TRAIN_TAGS = ("train/value_target_abs_mean", "train/value_target_abs_max", "train/explained_variance",
                     "train/entropy_loss", "train/value_loss", "train/approx_kl", "train/clip_fraction",
                     "train/grad_norm")

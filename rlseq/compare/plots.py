@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlseq.compare.common import (DEFAULT_METRIC, DIAGNOSTIC_TAGS, LOG_SCALE_TAGS, MEMORY_ORDER, CompareError,
-                                  _base_memory, _tag, variant_order)
+from rlseq.compare.common import (DEFAULT_METRIC, DIAGNOSTIC_LABELS, DIAGNOSTIC_TAGS, LOG_SCALE_TAGS, MEMORY_ORDER,
+                                  CompareError, _base_memory, _tag, variant_order)
 from rlseq.compare.stats import _aggregate, _seed_curves
 
 # Fixed colours per memory so every figure of the project reads the same way.
@@ -164,6 +164,7 @@ def plot_diagnostics(df: pd.DataFrame, path: str | Path, *, n_points: int = 100)
                 ax.set_yscale("log")
             ax.set_title(f"{env}: {tag.split('/', 1)[-1]}" if len(envs) > 1 else tag.split("/", 1)[-1],
                          fontsize=10)
+            ax.set_ylabel(DIAGNOSTIC_LABELS[tag])
             _style_steps_axis(ax)
     fig.suptitle("memory diagnostics — mean across seeds, band = min–max", fontsize=11)
     _finish(fig, handles, path)
