@@ -377,7 +377,9 @@ def test_truncated_episodes_are_bootstrapped_with_the_memory_of_the_ending_episo
     truncated_steps = [(t, out, exp) for t, out, exp in seen if t]
     assert truncated_steps, "CartPole under a 5-step limit must truncate within 12 steps"
     for t, out, exp in truncated_steps:
-        assert np.allclose(out, exp, rtol=1e-6)
+        # fp32, batch of 2 while acting against a batch of 1 here: the block's LayerNorms round differently by a few
+        # 1e-7; the acting/training tolerance of tests/test_memory.py (1e-5), far below a wrong memory's error
+        assert np.allclose(out, exp, rtol=1e-5, atol=1e-6)
         assert all(out[i] != 1.0 for i in t)  # CartPole pays 1 per step: the bootstrap was added
 
 
