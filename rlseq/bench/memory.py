@@ -64,7 +64,6 @@ EPISODES = 64
 NO_WINDOW = "-conv1"
 # sb3-contrib's RecurrentPPO with its own LSTM: at its defaults (a separate critic LSTM) and with one shared LSTM
 ANCHORS = {"sb3-lstm": [], "sb3-lstm-shared": ["--shared-lstm"]}
-ANCHOR = "sb3-lstm"
 # the first thing a new user runs: memory against no memory inside and beyond the window, at a short budget
 QUICK = {"tasks": ("rlseq/RepeatPreviousLag2-v0", "rlseq/RepeatPreviousLag8-v0", "popgym-RepeatFirstEasy-v0"),
          "variants": ("efla", "gru", "none"), "seeds": (0,), "steps": DEFAULT_STEPS}

@@ -327,10 +327,11 @@ def _ordered(names: list[str], preferred: list[str]) -> list[str]:
 
 
 def render(res: Results, out: str | Path, *, png: Path | None, reps: int = REPS,
-           horizon_png: Path | None = None) -> str:
-    """The report's markdown (links relative to the report's folder)."""
+           horizon_png: Path | None = None, layout: tuple[pd.DataFrame, list[str], list[str]] | None = None) -> str:
+    """The report's markdown (links relative to the report's folder); ``layout``: :func:`_layout`'s result when
+    the caller has it already (its bootstrap CIs are the slow part)."""
     out = Path(out)
-    summary, tasks, variants = _layout(res, reps)
+    summary, tasks, variants = layout or _layout(res, reps)
     regenerate = f"python -m rlseq.bench memory --report-only --out {out.as_posix()}"
     lines = ["# Memory benchmark", "",
              "Does each memory remember, and how far back? Every variant trains with PPO on the same recall tasks "
@@ -576,10 +577,9 @@ def write_report(out: str | Path, *, reps: int = REPS) -> Path:
         raise FileNotFoundError(f"no result under {out / RESULTS}: run the benchmark first "
                                 "(python -m rlseq.bench memory --out ...)")
     png = plot(res.curves, out / CURVES_PNG)
-    from rlseq.bench.memory import variants as known_variants
-
-    variants = _ordered(list(res.runs["variant"].unique()), [*known_variants(), *res.grid["variants"]])
-    horizon_png = plot_horizon(summarize(res.runs, reps=reps), out / HORIZON_PNG, variants, res.random)
+    layout = _layout(res, reps)
+    summary, _, variants = layout
+    horizon_png = plot_horizon(summary, out / HORIZON_PNG, variants, res.random)
     path = report_path(out)
-    write_text_atomic(path, render(res, out, png=png, reps=reps, horizon_png=horizon_png))
+    write_text_atomic(path, render(res, out, png=png, reps=reps, horizon_png=horizon_png, layout=layout))
     return path

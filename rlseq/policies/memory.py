@@ -504,14 +504,13 @@ class _RNNMemory(Memory):
         return torch.stack(parts, 0).permute(2, 0, 1, 3)
 
     def _core(self, u, state, resets, *, h):
-        h = u  # the RNN reads the front end's output; the name h below is the RNN's input
-        B, T = h.shape[:2]
-        state = state.to(h.dtype)  # [B, P, L, hidden], the core's part
+        B, T = u.shape[:2]
+        state = state.to(u.dtype)  # [B, P, L, hidden], the core's part
         if resets is None or not bool(resets[:, 1:].any()):
             # Fast path: no episode starts after t = 0, one call over the whole batch.
             if resets is not None:
                 state = state * (~resets[:, 0]).to(state.dtype).view(B, 1, 1, 1)
-            y, final = self.rnn(h, self._unpack(state))
+            y, final = self.rnn(u, self._unpack(state))
             return self.out_proj(y), self._pack(final)
 
         # Segment starts (b, t): every reset and every t = 0. Sorted by b then t, so in flat index b*T + t the
@@ -522,9 +521,9 @@ class _RNNMemory(Memory):
         lengths = torch.diff(starts, append=starts.new_tensor([B * T]))
         seg_b = starts // T
         lmax = int(lengths.max())
-        steps = torch.arange(lmax, device=h.device)
+        steps = torch.arange(lmax, device=u.device)
         gather = (starts.unsqueeze(1) + steps).clamp_max(B * T - 1)  # [P, lmax]
-        padded = h.reshape(B * T, -1)[gather]  # [P, lmax, d]
+        padded = u.reshape(B * T, -1)[gather]  # [P, lmax, d]
         # First segment of a sequence starts from the carried state unless it resets at t = 0; the rest from 0.
         keep = ((starts % T) == 0) & ~resets.reshape(-1)[starts]
         h0 = self._unpack(state[seg_b] * keep.to(state.dtype).view(-1, 1, 1, 1))
@@ -538,11 +537,10 @@ class _RNNMemory(Memory):
         return self.out_proj(y), self._pack(final)[last]
 
     def _core_step(self, u, state, resets, *, h):
-        h = u  # the RNN's input
         if resets is not None:
             state.masked_fill_(resets.reshape(-1, 1, 1, 1), 0.0)
         # a copy: the RNN's inputs must not be views of the state written below (autograd forbids it)
-        y, final = self.rnn(h.unsqueeze(1), self._unpack(state.to(h.dtype, copy=True)))
+        y, final = self.rnn(u.unsqueeze(1), self._unpack(state.to(u.dtype, copy=True)))
         state.copy_(self._pack(final))
         return self.out_proj(y.squeeze(1))
 
