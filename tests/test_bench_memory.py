@@ -190,6 +190,26 @@ def test_the_window_controls_and_the_shared_anchor_are_flags_the_training_cli_ta
                                            "--conv-size", "1"]))
 
 
+def test_an_ablation_config_reaches_every_run(tmp_path, capsys):
+    """``--config`` hands a partial training config to every run (the training CLI merges it over
+    configs/popgym.yml); a missing file is refused before anything runs."""
+    from rlseq.train import build_parser, resolve
+
+    cfg_file = tmp_path / "ablation.yml"
+    cfg_file.write_text("popgym:\n  learning_rate: 1.0e-3\n  memory_kwargs: {gru: {residual: false}}\n")
+    common = ["memory", "--dry-run", "--tasks", T1, "--variants", "gru", "--seeds", "0", "--steps", "1000",
+              "--out", str(tmp_path / "out"), "--logdir", str(tmp_path / "runs")]
+    bench_main([*common, "--config", str(cfg_file)])
+    line = next(x for x in capsys.readouterr().out.splitlines() if "rlseq.train" in x)
+    argv = line.split("python -m rlseq.train ")[1].split()
+    assert argv[argv.index("--config") + 1] == str(cfg_file.resolve())
+    cfg = resolve(build_parser().parse_args(argv))
+    assert cfg["learning_rate"] == 1e-3 and cfg["memory_kwargs"] == {"residual": False}
+    assert cfg["n_envs"] == 8  # the rest stays configs/popgym.yml's
+    with pytest.raises(SystemExit, match="no such file"):
+        bench_main([*common, "--config", str(tmp_path / "missing.yml")])
+
+
 def test_results_of_another_commit_are_refused(tmp_path, monkeypatch):
     out = tmp_path / "out"
     _result(out, T1, "efla", 0, 0.5)  # made at "abc" (see _result)

@@ -72,6 +72,11 @@ CONSISTENCY_CASES = [pytest.param(name, "torch", {}, id=f"{name}-torch") for nam
 ] + [  # the front end without a window (the controls) and a wider one
     pytest.param(name, "torch", dict(conv_size=w), id=f"{name}-torch-conv{w}") for name, w in
     (("none", 1), ("efla", 1), ("gru", 1), ("lstm", 6), ("deltanet", 2))
+] + [  # the block without its residual, and the RNNs' orthogonal initialisation
+    pytest.param(name, "torch", dict(residual=False), id=f"{name}-torch-noresidual") for name in MEMORIES
+] + [
+    pytest.param("gru", "torch", dict(recurrent_init="orthogonal"), id="gru-torch-orthogonal"),
+    pytest.param("lstm", "torch", dict(recurrent_init="orthogonal", forget_bias=1.0), id="lstm-torch-orthogonal"),
 ]
 
 
@@ -158,6 +163,52 @@ def test_parameter_counts_are_matched(d_model):
                         if n.startswith(SHARED)) for name in MEMORIES}
     assert len(set(shared.values())) == 1, shared
     assert _core_parameters(make_memory("none", 17, d_model=d_model)) == 0
+
+
+def test_the_residual_option_drops_u_from_the_output():
+    """``residual=False``: y = LayerNorm(m), so the output no longer depends on u where the read does not; the
+    ``none`` control (no read) is unchanged."""
+    for name in MEMORIES:
+        with_res, without = _memory(name), _memory(name, residual=False)
+        without.load_state_dict(with_res.state_dict())
+        x, r = _sequence(2, 5)
+        s = with_res.initial_state(2)
+        y_res, y_no = with_res(x, s, r)[0], without(x, s, r)[0]
+        h, u, _ = with_res.front(x, with_res.state_parts(s)[1], r)
+        m = with_res._core(u, with_res.state_parts(s)[0], r, h=h)[0]
+        if name == "none":
+            torch.testing.assert_close(y_no, y_res)
+        else:
+            torch.testing.assert_close(y_res, with_res.norm(u + m))
+            torch.testing.assert_close(y_no, with_res.norm(m))
+            assert (y_no - y_res).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["gru", "lstm"])
+def test_orthogonal_recurrent_init(name):
+    """Every gate's recurrent matrix is orthogonal, biases zero but the LSTM's forget gate's, whose two biases
+    sum to ``forget_bias``."""
+    kw = {"forget_bias": 1.0} if name == "lstm" else {}
+    m = make_memory(name, 5, d_model=32, recurrent_init="orthogonal", num_layers=2, **kw)
+    H = m.hidden_size
+    for layer in range(2):
+        for gate in getattr(m.rnn, f"weight_hh_l{layer}").split(H):
+            torch.testing.assert_close(gate @ gate.T, torch.eye(H), atol=1e-5, rtol=0)
+        b = getattr(m.rnn, f"bias_ih_l{layer}") + getattr(m.rnn, f"bias_hh_l{layer}")
+        if name == "lstm":
+            assert torch.equal(b[H:2 * H], torch.ones(H)) and not b[:H].any() and not b[2 * H:].any()
+        else:
+            assert not b.any()
+    default = make_memory(name, 5, d_model=32)
+    assert default.rnn.bias_ih_l0.abs().max() > 0  # PyTorch's uniform init unless asked
+    with pytest.raises(ValueError, match="valid: uniform, orthogonal"):
+        make_memory(name, 5, recurrent_init="xavier")
+    if name == "gru":
+        with pytest.raises(TypeError, match="GRUMemory"):
+            make_memory(name, 5, forget_bias=1.0)
+    lstm = make_memory("lstm", 5, d_model=32, forget_bias=2.0)  # with the default init too
+    assert torch.equal((lstm.rnn.bias_ih_l0 + lstm.rnn.bias_hh_l0)[lstm.hidden_size:2 * lstm.hidden_size],
+                       torch.full((lstm.hidden_size,), 2.0))
 
 
 def test_make_memory_errors():

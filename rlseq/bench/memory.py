@@ -457,6 +457,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag in ("n-envs", "n-steps", "n-minibatches"):
         parser.add_argument(f"--{flag}", type=int, default=None,
                             help="PPO setting of every run (default: configs/popgym.yml's; for smoke tests)")
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="a partial training config for every run (as train --config: its entries override "
+                             "configs/popgym.yml's key by key), e.g. an ablation's learning_rate or memory_kwargs; "
+                             "its contents are recorded with the invocation. Give each ablation its own --out")
 
 
 def _count(text: str) -> int:
@@ -480,6 +484,10 @@ def resolve_grid(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out or (QUICK_OUT if quick else DEFAULT_OUT))
     extra = [x for flag in ("n_envs", "n_steps", "n_minibatches") if getattr(args, flag) is not None
              for x in (f"--{flag.replace('_', '-')}", str(getattr(args, flag)))]
+    if getattr(args, "config", None):
+        if not Path(args.config).is_file():
+            raise SystemExit(f"error: --config {args.config}: no such file")
+        extra += ["--config", str(Path(args.config).resolve())]
     return {"tasks": tasks, "variants": wanted, "seeds": list(args.seeds or (QUICK["seeds"] if quick else SEEDS)),
             "steps": steps, "episodes": args.episodes or EPISODES, "jobs": args.jobs or os.cpu_count() or 1,
             "out": out, "logdir": Path(args.logdir or Path("runs") / out.name), "extra": extra}
@@ -491,8 +499,8 @@ def command(args: argparse.Namespace, g: dict[str, Any]) -> str:
     for flag in ("tasks", "variants", "seeds"):
         if getattr(args, flag):
             parts.append(f"--{flag} " + " ".join(map(str, getattr(args, flag))))
-    for flag in ("steps", "episodes", "n_envs", "n_steps", "n_minibatches"):
-        if getattr(args, flag) is not None:
+    for flag in ("steps", "episodes", "n_envs", "n_steps", "n_minibatches", "config"):
+        if getattr(args, flag, None) is not None:
             parts.append(f"--{flag.replace('_', '-')} {getattr(args, flag)}")
     parts += [f"--jobs {g['jobs']}", f"--out {g['out'].as_posix()}", f"--logdir {g['logdir'].as_posix()}"]
     if args.device != "cpu":
@@ -557,7 +565,8 @@ def main(args: argparse.Namespace) -> None:
             "command": command(args, g), "started": time.strftime("%Y-%m-%d %H:%M"), "jobs": g["jobs"],
             "cpu": cpu_model(), "cores": os.cpu_count(), "wall_s": None, "runs": len(todo),
             "grid": {"tasks": g["tasks"], "variants": g["variants"], "seeds": g["seeds"], "steps": g["steps"],
-                     "episodes": g["episodes"]}})
+                     "episodes": g["episodes"]},
+            **({"config": Path(args.config).read_text()} if getattr(args, "config", None) else {})})
         try:
             answers = execute(runs, out, logdir, jobs=g["jobs"], episodes=g["episodes"], device=args.device,
                               extra=g["extra"])

@@ -5,7 +5,7 @@ Every memory is the same block around a different core, so that a comparison iso
     h = LayerNorm(W_in x)                  input projection to d_model (default 128), whatever the observation
     u = LayerNorm(conv_W(h))               the front end: a causal depthwise convolution over the last W steps
     m = core(u, state, resets)             the memory read (absent for "none")
-    y = LayerNorm(u + m)                   residual + LayerNorm; y is [.., d_model]
+    y = LayerNorm(u + m)                   residual + LayerNorm; y is [.., d_model] (residual=False: LayerNorm(m))
 
 The front end (``conv_size=W``, default 4, the short convolution of flash-linear-attention's delta-rule layers)
 belongs to the block, not to a memory: every core, the ``none`` control included, sees the last W inputs, so a
@@ -60,6 +60,9 @@ from rlseq.kernels.rules import unit_key_scales
 from rlseq.policies.short_conv import ShortConv
 
 MEMORIES = ("efla", "deltanet", "gru", "lstm", "none")
+# initialisations of the GRU's and LSTM's weights: PyTorch's U(-1/√hidden, 1/√hidden), or orthogonal recurrent
+# matrices (see _RNNMemory._orthogonal_init)
+RECURRENT_INITS = ("uniform", "orthogonal")
 DEFAULT_D_MODEL = 128
 DEFAULT_CONV_SIZE = 4
 
@@ -105,7 +108,8 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
     name: str = "abstract"
     train_graph_obstacle: str | None = None
 
-    def __init__(self, in_features: int, *, d_model: int | None = None, conv_size: int = DEFAULT_CONV_SIZE) -> None:
+    def __init__(self, in_features: int, *, d_model: int | None = None, conv_size: int = DEFAULT_CONV_SIZE,
+                 residual: bool = True) -> None:
         super().__init__()
         self.in_features = int(in_features)
         self.d_model = int(d_model) if d_model is not None else DEFAULT_D_MODEL
@@ -114,6 +118,7 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
         if isinstance(conv_size, bool) or not isinstance(conv_size, int) or conv_size < 1:
             raise ValueError(f"conv_size must be an integer >= 1, got {conv_size!r}")
         self.out_features = self.d_model
+        self.residual = bool(residual)
         # Normalising the projected input gives every core unit-scale inputs whatever the observation's scale and
         # width, so defaults (and EFLA's starting gate) carry over from one task to the next.
         self.in_proj = nn.Sequential(nn.Linear(self.in_features, self.d_model), nn.LayerNorm(self.d_model))
@@ -156,7 +161,9 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
         """``u [B, d]`` (and ``h [B, d]``) → ``m [B, d]`` or None; updates ``core_state`` in place."""
 
     def _output(self, u: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-        return self.norm(u if m is None else u + m.to(u.dtype))
+        if m is None:
+            return self.norm(u)
+        return self.norm(u + m.to(u.dtype) if self.residual else m.to(u.dtype))
 
     def front(self, x: torch.Tensor, window: torch.Tensor, resets: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -213,7 +220,8 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
         return ""
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, d_model={self.d_model}, conv_size={self.conv.kernel_size}"
+        return (f"in_features={self.in_features}, d_model={self.d_model}, conv_size={self.conv.kernel_size}"
+                + ("" if self.residual else ", residual=False"))
 
 
 def _short(xs: list[Any], n: int = 16) -> str:
@@ -259,6 +267,7 @@ class _DeltaRuleMemory(Memory):
         *,
         d_model: int | None = None,
         conv_size: int = DEFAULT_CONV_SIZE,
+        residual: bool = True,
         n_heads: int = 4,
         head_dim: int | None = None,
         value_dim: int | None = None,
@@ -267,7 +276,7 @@ class _DeltaRuleMemory(Memory):
         backend: str | None = None,
         chunk_size: int | None = None,
     ) -> None:
-        super().__init__(in_features, d_model=d_model, conv_size=conv_size)
+        super().__init__(in_features, d_model=d_model, conv_size=conv_size, residual=residual)
         if n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got {n_heads}")
         self.n_heads = int(n_heads)
@@ -421,6 +430,7 @@ class EFLAMemory(_DeltaRuleMemory):
         in_features: F, size of ``x``.
         d_model: block width (default 128).
         conv_size: W, the front end's convolution width (1: no temporal window).
+        residual: ``y = LayerNorm(u + m)`` (default); False: ``y = LayerNorm(m)``, the read alone.
         n_heads, head_dim, value_dim: H, K, V.
         query_norm: L2-normalise queries per head.
         beta_bias_init: initial bias of the β logit (None: the matched start above).
@@ -471,6 +481,10 @@ class _RNNMemory(Memory):
     are packed (``pack_padded_sequence``) and run together, the first segment of each sequence from the carried
     state and every later one from zeros. No Python loop over time steps, unlike sb3-contrib's
     ``_process_sequence``.
+
+    ``hidden_size`` (default: matched parameter counts), ``num_layers``, ``recurrent_init`` (one of
+    :data:`RECURRENT_INITS`: ``"uniform"``, PyTorch's default, or ``"orthogonal"``) and ``residual`` (the
+    block's) are arguments; the rest go to ``nn.GRU`` / ``nn.LSTM``.
     """
 
     train_graph_obstacle = "its training pass reads the episode starts on the host (nonzero, pack_padded_sequence)"
@@ -479,15 +493,36 @@ class _RNNMemory(Memory):
     hidden_ratio: float  # default hidden_size / d_model: matches the delta-rule cores' parameter count
 
     def __init__(self, in_features: int, *, d_model: int | None = None, conv_size: int = DEFAULT_CONV_SIZE,
-                 hidden_size: int | None = None, num_layers: int = 1, **rnn_kwargs: Any) -> None:
-        super().__init__(in_features, d_model=d_model, conv_size=conv_size)
+                 residual: bool = True, hidden_size: int | None = None, num_layers: int = 1,
+                 recurrent_init: str = "uniform", **rnn_kwargs: Any) -> None:
+        super().__init__(in_features, d_model=d_model, conv_size=conv_size, residual=residual)
         if rnn_kwargs.pop("batch_first", True) is not True or rnn_kwargs.get("bidirectional"):
             raise ValueError(f"{type(self).__name__} is always batch_first and unidirectional")
+        if recurrent_init not in RECURRENT_INITS:
+            raise ValueError(f"unknown recurrent_init {recurrent_init!r}; valid: {', '.join(RECURRENT_INITS)}")
         self.hidden_size = int(hidden_size) if hidden_size is not None else max(1, round(self.hidden_ratio * self.d_model))
         self.num_layers = int(num_layers)
+        self.recurrent_init = recurrent_init
         self.rnn = self.rnn_class(self.d_model, self.hidden_size, num_layers=self.num_layers, batch_first=True,
                                   **rnn_kwargs)
+        if recurrent_init == "orthogonal":
+            self._orthogonal_init()
         self.out_proj = nn.Linear(self.hidden_size, self.d_model)
+
+    @torch.no_grad()
+    def _orthogonal_init(self) -> None:
+        """Each gate's recurrent matrix orthogonal, each gate's input matrix Xavier-uniform, biases zero (the
+        common practice for RL recurrent cores, e.g. CleanRL's LSTM agents); :class:`LSTMMemory` then sets its
+        forget bias."""
+        H = self.hidden_size
+        for name, p in self.rnn.named_parameters():
+            for gate in p.split(H, dim=0):
+                if name.startswith("weight_hh"):
+                    nn.init.orthogonal_(gate)
+                elif name.startswith("weight_ih"):
+                    nn.init.xavier_uniform_(gate)
+                else:
+                    gate.zero_()
 
     @property
     def core_state_shape(self) -> tuple[int, ...]:
@@ -559,7 +594,8 @@ class _RNNMemory(Memory):
     _part_names = "part"
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, hidden_size={self.hidden_size}, num_layers={self.num_layers}"
+        return (f"{super().extra_repr()}, hidden_size={self.hidden_size}, num_layers={self.num_layers}"
+                + (f", recurrent_init={self.recurrent_init}" if self.recurrent_init != "uniform" else ""))
 
 
 class GRUMemory(_RNNMemory):
@@ -585,6 +621,21 @@ class LSTMMemory(_RNNMemory):
     hidden_ratio = 0.625
     _part_names = "h=0/c=1"
 
+    def __init__(self, in_features: int, *, forget_bias: float | None = None, **kwargs: Any) -> None:
+        super().__init__(in_features, **kwargs)
+        self.forget_bias = forget_bias
+        if forget_bias is not None:
+            # PyTorch's LSTM adds two biases per gate (ih and hh), gates ordered i, f, g, o: the forget gate's
+            # starting bias is their sum, so it goes into one and the other's is zeroed
+            H = self.hidden_size
+            with torch.no_grad():
+                for layer in range(self.num_layers):
+                    getattr(self.rnn, f"bias_ih_l{layer}")[H:2 * H].fill_(float(forget_bias))
+                    getattr(self.rnn, f"bias_hh_l{layer}")[H:2 * H].zero_()
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", forget_bias={self.forget_bias}" if self.forget_bias is not None else "")
+
 
 _REGISTRY: dict[str, type[Memory]] = {
     "efla": EFLAMemory,
@@ -606,10 +657,10 @@ def memory_class(name: str) -> type[Memory]:
 def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:
     """Build a memory by name (one of :data:`MEMORIES`) over ``in_features`` inputs.
 
-    ``memory_kwargs`` go to the class: every memory takes ``d_model`` and ``conv_size``; :class:`EFLAMemory` /
+    ``memory_kwargs`` go to the class: every memory takes ``d_model``, ``conv_size`` and ``residual``; :class:`EFLAMemory` /
     :class:`DeltaNetMemory` also ``n_heads``, ``head_dim``, ``value_dim``, ``query_norm``,
     ``beta_bias_init``, ``backend``, ``chunk_size``; :class:`GRUMemory` / :class:`LSTMMemory` ``hidden_size``,
-    ``num_layers``. An unknown keyword raises ``TypeError`` naming the class.
+    ``num_layers``, ``recurrent_init``, and :class:`LSTMMemory` ``forget_bias``. Every memory takes ``residual``. An unknown keyword raises ``TypeError`` naming the class.
     """
     cls = memory_class(name)
     try:
