@@ -48,7 +48,8 @@ def main() -> None:
 
     policy_kwargs = {}
     if args.policy != "CnnLstmPolicy":
-        # 4 heads of 32 × 32: a 4096-float state per env (the default); lower head_dim to save buffer memory
+        # 4 heads of 32 × 32: a 4096-float state per env (EFLA's default; DeltaNet's is 64 × 64); lower head_dim
+        # to save buffer memory
         policy_kwargs = dict(memory_kwargs=dict(n_heads=4, head_dim=32))
 
     model = RecurrentPPO(

@@ -224,6 +224,30 @@ def test_results_of_another_commit_are_refused(tmp_path, monkeypatch):
                     str(out), "--logdir", str(tmp_path / "runs")])
 
 
+def test_results_whose_code_has_changed_since_are_flagged(tmp_path):
+    """The report names the files behind a result that differ in the checkout, so an old table is not read as
+    today's code; other files, unknown commits and folders without git say nothing."""
+    import subprocess
+
+    def git(*args):
+        return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=tmp_path, check=True,
+                              capture_output=True, text=True).stdout.strip()
+
+    (tmp_path / "rlseq" / "policies").mkdir(parents=True)
+    (tmp_path / "rlseq" / "policies" / "memory.py").write_text("hidden = 96\n")
+    (tmp_path / "README.md").write_text("a\n")
+    git("init", "-q")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    first = git("rev-parse", "--short=12", "HEAD")
+    assert R.changed_since([first, "unknown"], tmp_path) == {}
+    (tmp_path / "README.md").write_text("b\n")  # not code a result depends on
+    assert R.changed_since([first], tmp_path) == {}
+    (tmp_path / "rlseq" / "policies" / "memory.py").write_text("hidden = 256\n")
+    assert R.changed_since([first + "+dirty"], tmp_path) == {first + "+dirty": ["rlseq/policies/memory.py"]}
+    assert R.changed_since([first], tmp_path / "rlseq" / "nowhere") == {}
+
+
 def test_probability_of_improvement_and_budget_check_on_synthetic_data():
     rows = [{"task": "A", "variant": "efla", "seed": s, "eval_mean": 1.0 + s} for s in range(5)]
     rows += [{"task": "A", "variant": "gru", "seed": s, "eval_mean": 0.0 + s} for s in range(5)]

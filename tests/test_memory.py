@@ -155,14 +155,31 @@ SHARED = ("in_proj.", "conv.", "conv_norm.", "norm.")  # the block's parameters,
 
 
 @pytest.mark.parametrize("d_model", [64, 128, 256])
-def test_parameter_counts_are_matched(d_model):
-    """The block around the memory is identical; the memories' own parameters are within 25% of each other."""
-    counts = {name: _core_parameters(make_memory(name, 17, d_model=d_model)) for name in MEMORIES if name != "none"}
-    assert max(counts.values()) <= 1.25 * min(counts.values()), counts
+def test_the_block_is_shared_and_the_cores_scale_with_its_width(d_model):
+    """The block around the memory is identical for every memory; the default core widths scale with d_model
+    (EFLA heads of d/4, DeltaNet d/2, GRU and LSTM hidden 2d)."""
     shared = {name: sum(p.numel() for n, p in make_memory(name, 17, d_model=d_model).named_parameters()
                         if n.startswith(SHARED)) for name in MEMORIES}
     assert len(set(shared.values())) == 1, shared
     assert _core_parameters(make_memory("none", 17, d_model=d_model)) == 0
+    assert make_memory("efla", 17, d_model=d_model).core_state_shape == (4, d_model // 4, d_model // 4)
+    assert make_memory("deltanet", 17, d_model=d_model).core_state_shape == (4, d_model // 2, d_model // 2)
+    assert make_memory("gru", 17, d_model=d_model).core_state_shape == (1, 1, 2 * d_model)
+    assert make_memory("lstm", 17, d_model=d_model).core_state_shape == (2, 1, 2 * d_model)
+
+
+def test_the_docs_list_the_default_sizes():
+    """docs/memory.md's table of core parameters and states is the code's (default width, F = 4)."""
+    import re
+
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "memory.md").read_text()
+    for name in MEMORIES:
+        m = make_memory(name, 4)
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{name}` |"))
+        cells = [c.strip() for c in row.split("|")[1:-1]]
+        assert int(cells[3].replace(",", "")) == _core_parameters(m), (name, cells[3])
+        numbers = [int(x.replace(",", "")) for x in re.findall(r"\d[\d,]*", cells[2])]
+        assert sum(numbers) == m.state_shape[0], (name, cells[2])
 
 
 def test_the_residual_option_drops_u_from_the_output():

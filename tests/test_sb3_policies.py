@@ -109,18 +109,19 @@ def test_impala_combined_extractor():
 @pytest.mark.parametrize("policy_class", [EflaMultiInputPolicy, DeltaNetMultiInputPolicy])
 def test_multi_input_policy_on_a_vector_only_dict_builds_the_default_width_memory(policy_class):
     # a Dict of vectors only: 4 + 1 features; the memory block projects them to its own width (d_model 128), so the
-    # default memory is 4 heads of 32, not a block as narrow as the features
+    # default memory is 4 heads of d_model/4 (EFLA) or d_model/2 (DeltaNet), not a block as narrow as the features
     space = spaces.Dict({"pos": spaces.Box(-1.0, 1.0, (4,), np.float32), "flag": spaces.Box(0.0, 1.0, (1,), np.float32)})
     policy = policy_class(space, spaces.Discrete(3), lambda _: 1e-3)
     assert policy.features_dim == 5
+    heads = (4, 32) if policy_class is EflaMultiInputPolicy else (4, 64)
     for memory in (policy.memory_actor, policy.memory_critic):
         assert memory.in_features == 5 and memory.d_model == 128 and memory.out_features == 128
-        assert (memory.n_heads, memory.head_dim) == (4, 32)
+        assert (memory.n_heads, memory.head_dim) == heads
     assert policy.lstm_output_dim == 128
     from rlseq.policies.actor_critic import MemoryPPOPolicy
 
     ours = MemoryPPOPolicy(space, spaces.Discrete(3), lambda _: 1e-3, memory=policy_class.default_memory)
-    assert ours.memory.d_model == 128 and (ours.memory.n_heads, ours.memory.head_dim) == (4, 32)
+    assert ours.memory.d_model == 128 and (ours.memory.n_heads, ours.memory.head_dim) == heads
 
 
 # -- state packing and buffer sizing ------------------------------------------------------------------------

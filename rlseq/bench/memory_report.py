@@ -393,8 +393,39 @@ def _provenance(res: Results) -> list[str]:
         lines.append("Versions: " + ", ".join(f"{k} {x}" for k, x in json.loads(v).items()) + ".")
     if len(versions) > 1:
         lines.append("(the runs were made with several versions)")
+    commits = sorted({r.get("versions", {}).get("rlseq", "") for r in res.records} - {""})
+    for commit, changed in changed_since(commits).items():
+        lines += ["", f"**The code behind these results has changed since {commit}**: "
+                      f"{', '.join(f'`{c}`' for c in changed[:8])}{' ...' if len(changed) > 8 else ''} differ in "
+                      "this checkout. The tables show what that commit's network and defaults did, which may not be "
+                      "today's: rerun the grid to measure the current code."]
     lines.append("")
     return lines
+
+
+# what a result depends on: the network, the PPO, the tasks and the benchmark's settings
+RESULT_CODE = ("rlseq/policies", "rlseq/algos", "rlseq/kernels", "rlseq/tasks.py", "rlseq/envs", "configs/popgym.yml")
+
+
+def changed_since(commits: list[str], repo: Path | None = None) -> dict[str, list[str]]:
+    """For each rlseq commit a result names, the files of :data:`RESULT_CODE` that differ between it and the
+    working tree of ``repo`` (default: this checkout). Commits that git cannot resolve (a copy without history,
+    ``unknown``) and checkouts without git are left out: nothing to compare with."""
+    import subprocess
+
+    repo = repo or Path(__file__).resolve().parents[2]
+    changed = {}
+    for commit in commits:
+        base = commit.split("+")[0]
+        try:
+            diff = subprocess.run(["git", "diff", "--name-only", base, "--", *RESULT_CODE], cwd=repo,
+                                  capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return {}
+        files = diff.stdout.split()
+        if diff.returncode == 0 and files:
+            changed[commit] = files
+    return changed
 
 
 def _budget(res: Results, tasks: list[str]) -> list[str]:

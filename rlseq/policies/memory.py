@@ -22,8 +22,10 @@ memory           state per sequence (flat, float32)              core
 ``"none"``       ``(W-1)·d`` (the window alone)                  nothing: ``y = LayerNorm(u)``
 ===============  ==============================================  ============================================
 
-Defaults give matched parameter counts at any ``d_model`` (cores of ~4 d² for EFLA/DeltaNet and ~4.7 d² for
-the GRU and the LSTM, within 25%; ``docs/memory.md`` lists them).
+The default widths are each memory's best of the same probe on the memory benchmark (the default and a wider
+core, equal effort for every memory; ``docs/memory.md`` has the numbers): EFLA 4 heads of ``d_model/4``, DeltaNet
+4 heads of ``d_model/2``, GRU and LSTM hidden ``2·d_model`` (256 at the default width, sb3-contrib's LSTM width).
+Parameter counts and state sizes therefore differ; ``docs/memory.md`` lists both.
 
 The interface (:class:`Memory`), the same for all:
 
@@ -260,6 +262,7 @@ class _DeltaRuleMemory(Memory):
     and the starting β). See :class:`EFLAMemory` for the architecture and its reasons."""
 
     rule: str
+    head_width: float  # default head_dim · n_heads / d_model
 
     def __init__(
         self,
@@ -280,7 +283,8 @@ class _DeltaRuleMemory(Memory):
         if n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got {n_heads}")
         self.n_heads = int(n_heads)
-        self.head_dim = int(head_dim) if head_dim is not None else max(1, self.d_model // self.n_heads)
+        self.head_dim = (int(head_dim) if head_dim is not None
+                         else max(1, round(self.head_width * self.d_model / self.n_heads)))
         self.value_dim = int(value_dim) if value_dim is not None else self.head_dim
         if self.head_dim < 1 or self.value_dim < 1:
             raise ValueError(f"head_dim and value_dim must be >= 1, got {self.head_dim}, {self.value_dim}")
@@ -424,7 +428,8 @@ class EFLAMemory(_DeltaRuleMemory):
     - **State** ``[B, H·K·V + (W-1)·d]`` float32; :meth:`state_parts` gives the matrix ``[B, H, K, V]`` and the
       window ``[B, W-1, d]`` as views.
     - Defaults ``n_heads=4``, ``head_dim = value_dim = d_model / n_heads`` (32 at the default width 128):
-      4·32·32 = 4096 floats of matrix state per sequence.
+      4·32·32 = 4096 floats of matrix state per sequence. (Heads of 64 were worse on the memory benchmark's
+      RepeatFirstMedium: 0.79 / −0.21 / 0.43 against 0.92 / 0.99 / 0.97 over seeds 0–2; ``docs/memory.md``.)
 
     Args:
         in_features: F, size of ``x``.
@@ -440,6 +445,7 @@ class EFLAMemory(_DeltaRuleMemory):
 
     name = "efla"
     rule = "efla"
+    head_width = 1.0
 
 
 class DeltaNetMemory(_DeltaRuleMemory):
@@ -450,12 +456,16 @@ class DeltaNetMemory(_DeltaRuleMemory):
     The standard DeltaNet rule (as in flash-linear-attention's layer: unit keys, a short convolution before the
     projections here, see :class:`EFLAMemory`): the transition's eigenvalue ``1 - β`` lies in (0, 1) for ``β = sigmoid(·)``, starting at 0.5.
     ``allow_negative_eigenvalues=True`` uses ``β = 2·sigmoid(·) ∈ (0, 2)``, eigenvalues in (-1, 1), which helps
-    state tracking. Every other choice (and argument) is as in :class:`EFLAMemory`; the diagnostics' ``gate``
-    is β.
+    state tracking. Every other choice (and argument) is as in :class:`EFLAMemory` but the default head size:
+    ``head_dim = value_dim = 2·d_model / n_heads`` (64 at the default width, a 16,384-float matrix), DeltaNet's
+    best of the width probe on the memory benchmark (RepeatFirstMedium 0.76 / 1.00 / 0.97 against 0.58 / 0.46 /
+    0.48 with heads of 32; ``docs/memory.md``). ``head_dim=32`` gives EFLA's width, for a comparison of the rules
+    alone. The diagnostics' ``gate`` is β.
     """
 
     name = "deltanet"
     rule = "deltanet"
+    head_width = 2.0
 
     def __init__(self, in_features: int, *, allow_negative_eigenvalues: bool = False, **kwargs: Any) -> None:
         self.allow_negative_eigenvalues = bool(allow_negative_eigenvalues)
@@ -482,7 +492,7 @@ class _RNNMemory(Memory):
     state and every later one from zeros. No Python loop over time steps, unlike sb3-contrib's
     ``_process_sequence``.
 
-    ``hidden_size`` (default: matched parameter counts), ``num_layers``, ``recurrent_init`` (one of
+    ``hidden_size`` (default ``2·d_model``: 256 at the default width), ``num_layers``, ``recurrent_init`` (one of
     :data:`RECURRENT_INITS`: ``"uniform"``, PyTorch's default, or ``"orthogonal"``) and ``residual`` (the
     block's) are arguments; the rest go to ``nn.GRU`` / ``nn.LSTM``.
     """
@@ -490,7 +500,7 @@ class _RNNMemory(Memory):
     train_graph_obstacle = "its training pass reads the episode starts on the host (nonzero, pack_padded_sequence)"
     rnn_class: type[nn.RNNBase]
     n_parts: int
-    hidden_ratio: float  # default hidden_size / d_model: matches the delta-rule cores' parameter count
+    hidden_ratio = 2.0  # default hidden_size / d_model
 
     def __init__(self, in_features: int, *, d_model: int | None = None, conv_size: int = DEFAULT_CONV_SIZE,
                  residual: bool = True, hidden_size: int | None = None, num_layers: int = 1,
@@ -600,25 +610,25 @@ class _RNNMemory(Memory):
 
 class GRUMemory(_RNNMemory):
     """``nn.GRU`` baseline in the shared block: core state ``[B, 1, num_layers, hidden_size]`` float32. POPGym's study
-    found the GRU the strongest classic memory. Default ``hidden_size = 0.75·d_model`` (96 at the default width):
-    its core then has about as many parameters as the delta-rule cores (see the module docstring)."""
+    found the GRU the strongest classic memory. Default ``hidden_size = 2·d_model`` (256 at the default width): on
+    the memory benchmark the parameter-matched 96 held it back (RepeatPreviousLag8 +0.09 / −0.07 / −0.10 against
+    +0.40 / +0.82 at 256; ``docs/memory.md``)."""
 
     name = "gru"
     rnn_class = nn.GRU
     n_parts = 1
-    hidden_ratio = 0.75
     _part_names = "h=0"
 
 
 class LSTMMemory(_RNNMemory):
     """``nn.LSTM`` baseline in the shared block: core state ``[B, 2, num_layers, hidden_size]`` float32, h at
-    ``[:, 0]``, c at ``[:, 1]``. Default ``hidden_size = 0.625·d_model`` (80 at the default width), for matched
-    parameter counts (see the module docstring)."""
+    ``[:, 0]``, c at ``[:, 1]``. Default ``hidden_size = 2·d_model`` (256 at the default width, sb3-contrib's
+    RecurrentPPO's), as for :class:`GRUMemory`. ``forget_bias`` sets the forget gate's starting bias (the sum of
+    PyTorch's two); None keeps PyTorch's initialisation."""
 
     name = "lstm"
     rnn_class = nn.LSTM
     n_parts = 2
-    hidden_ratio = 0.625
     _part_names = "h=0/c=1"
 
     def __init__(self, in_features: int, *, forget_bias: float | None = None, **kwargs: Any) -> None:

@@ -127,16 +127,18 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
     :param lstm_hidden_size, n_lstm_layers, lstm_kwargs: accepted so that ``policy_kwargs`` written for the LSTM
         policies keep working: for ``memory="lstm"`` or ``"gru"`` they set the RNN inside the block (its output
         width stays ``d_model``); for EFLA/DeltaNet ``lstm_hidden_size`` sets the block width ``d_model`` (the
-        output size), and with it the default head size ``d_model / 4``, unless ``memory_kwargs`` does;
+        output size), and with it the default head size (EFLA ``d_model / 4``, DeltaNet ``d_model / 2``), unless
+        ``memory_kwargs`` does;
         ``n_lstm_layers > 1`` and ``lstm_kwargs`` are not supported there (error / warning).
 
     All other arguments are ``RecurrentActorCriticPolicy``'s.
 
     **Buffer memory cost in RecurrentPPO.** ``RecurrentRolloutBuffer`` stores the actor's AND the critic's state
     (h and c) for EVERY step of every env, as float32 NumPy arrays, whether the critic has a memory or not:
-    ``2 · n`` floats per env-step for a state of ``n`` floats. EFLA/DeltaNet defaults (4 heads × 32 × 32 and the
-    convolution window, n = 5,248): 41 KiB per env-step, i.e. 656 MiB for 64 envs × 256 steps, and ``get()`` makes
-    a flattened copy of the same size again (the default LSTM, hidden 80: 1.3 KiB per env-step). rlseq's own PPO (``rlseq.algos.MemoryPPO``) stores ONE state per env per
+    ``2 · n`` floats per env-step for a state of ``n`` floats. EFLA's defaults (4 heads × 32 × 32 and the
+    convolution window, n = 4,480): 35 KiB per env-step, i.e. 560 MiB for 64 envs × 256 steps, and ``get()`` makes
+    a flattened copy of the same size again (DeltaNet's 4 heads × 64 × 64: 131 KiB per env-step; the default LSTM,
+    hidden 256: 7 KiB). rlseq's own PPO (``rlseq.algos.MemoryPPO``) stores ONE state per env per
     rollout and trains on whole rollouts; prefer it for large runs.
     """
 
