@@ -150,7 +150,7 @@ def test_report_only_without_results_says_what_to_run(tmp_path):
 
 
 def test_the_grid_is_seed_major_and_trains_the_anchor_with_sb3_contrib():
-    assert M.variants()[-2:] == ["sb3-lstm", "sb3-lstm-shared"]
+    assert M.variants()[-3:] == ["sb3-lstm", "sb3-lstm-shared", "sb3-efla"]
     assert {"efla", "deltanet", "gru", "lstm", "none", "none-conv1", "efla-conv1"} <= set(M.variants())
     runs = M.build_grid([T1, T2], ["efla", "sb3-lstm"], [0, 1], {T1: 100, T2: 200})
     assert [(r.seed, r.task, r.variant) for r in runs] == [
@@ -166,6 +166,11 @@ def test_the_grid_is_seed_major_and_trains_the_anchor_with_sb3_contrib():
 
     cfg = resolve(build_parser().parse_args(argv))
     assert cfg["algo"] == "sb3-recurrent-ppo" and cfg["n_timesteps"] == 100 and cfg["n_envs"] == 4
+    # the drop-in row: rlseq's EFLA block inside sb3-contrib's RecurrentPPO, in its own folder
+    drop_in = M.BenchRun(T1, "sb3-efla", 0, 100)
+    assert drop_in.folder("logs") == Path("logs") / T1 / "sb3-efla" / "seed0"
+    cfg = resolve(build_parser().parse_args(drop_in.train_argv("logs", device="cpu")))
+    assert cfg["algo"] == "sb3-recurrent-ppo" and cfg["memory"] == "efla" and "policy_kwargs" not in cfg
 
 
 def test_the_window_controls_and_the_shared_anchor_are_flags_the_training_cli_takes():
@@ -370,21 +375,21 @@ def test_a_failed_training_is_recorded_with_the_end_of_its_log(tmp_path):
 
 def test_a_tiny_slice_end_to_end(tmp_path, capsys):
     out, logdir = tmp_path / "bench", tmp_path / "runs"
-    argv = ["memory", "--tasks", T1, "--variants", "none", "efla", "--seeds", "0", "--steps", "512", "--n-envs", "4",
+    argv = ["memory", "--tasks", T1, "--variants", "none", "efla", "sb3-efla", "--seeds", "0", "--steps", "512", "--n-envs", "4",
             "--n-steps", "32", "--n-minibatches", "2", "--episodes", "8", "--jobs", "2", "--out", str(out),
             "--logdir", str(logdir)]
     bench_main(argv)
-    for variant in ("none", "efla"):
+    for variant in ("none", "efla", "sb3-efla"):
         doc = json.loads(R.run_paths(out, T1, variant, 0)["result"].read_text())
         assert doc["episodes"] == 8 and -1.0 <= doc["eval_mean"] <= 1.0 and doc["env_steps_per_s"] > 0
         assert doc["config"]["n_envs"] == 4 and doc["versions"]["popgym"]
         curve = pd.read_csv(R.run_paths(out, T1, variant, 0)["curve"])
         assert list(curve.columns) == ["step", "ep_rew_mean"] and curve["step"].max() == 512
     text = (tmp_path / "bench.md").read_text()
-    assert "| RepeatPreviousEasy |" in text and "| task | random | efla | none |" in text
+    assert "| RepeatPreviousEasy |" in text and "| task | random | efla | none | sb3-efla |" in text
     assert (out / R.CURVES_PNG).exists() and json.loads(R.random_path(out, T1).read_text())["episodes"] == 8
     # the same command again: everything is done, nothing runs and no invocation is added
     capsys.readouterr()
     bench_main(argv)
-    assert "2 done already, 0 to run" in capsys.readouterr().out
+    assert "3 done already, 0 to run" in capsys.readouterr().out
     assert len(R.read_manifest(out)["invocations"]) == 1

@@ -9,7 +9,8 @@ The tasks: the memory-horizon sweep (``rlseq/RepeatPreviousLag{L}-v0``, the card
 long-range POPGym tasks at Medium and POPGym's ten Easy tasks. The variants: rlseq's memories in the shared block
 (``MEMORIES``, trained by MemoryPPO with ``configs/popgym.yml``), the same with ``conv_size=1``
 (``<memory>-conv1``: no window, so the window's share of a result shows), and stock sb3-contrib RecurrentPPO with
-its own LSTM as outside anchors (``sb3-lstm``: its defaults; ``sb3-lstm-shared``: one shared LSTM). Every run of a
+its own LSTM as outside anchors (``sb3-lstm``: its defaults; ``sb3-lstm-shared``: one shared LSTM), and the
+drop-in ``RecurrentPPO(EflaMlpPolicy)`` (``sb3-efla``: rlseq's block and EFLA inside sb3-contrib). Every run of a
 task gets the same env-step budget. Each run is one ``python -m rlseq.train`` process with one torch thread (its
 folder ``<logdir>/<task>/<variant>/seed<S>/``, log in ``train.log``), then, in the same worker, an evaluation of
 its final model on new episodes; the worker writes the run's result JSON and its curve CSV under
@@ -64,6 +65,9 @@ EPISODES = 64
 NO_WINDOW = "-conv1"
 # sb3-contrib's RecurrentPPO with its own LSTM: at its defaults (a separate critic LSTM) and with one shared LSTM
 ANCHORS = {"sb3-lstm": [], "sb3-lstm-shared": ["--shared-lstm"]}
+# rlseq's memories inside sb3-contrib's RecurrentPPO (the drop-in policies), variant -> memory
+DROP_INS = {"sb3-efla": "efla"}
+SB3_VARIANTS = (*ANCHORS, *DROP_INS)  # trained by sb3-contrib: slower, so started first
 # the first thing a new user runs: memory against no memory inside and beyond the window, at a short budget
 QUICK = {"tasks": ("rlseq/RepeatPreviousLag2-v0", "rlseq/RepeatPreviousLag8-v0", "popgym-RepeatFirstEasy-v0"),
          "variants": ("efla", "gru", "none"), "seeds": (0,), "steps": DEFAULT_STEPS}
@@ -77,11 +81,11 @@ def variants() -> list[str]:
     """rlseq's memories, their no-window controls (``<memory>-conv1``), then the sb3-contrib anchors."""
     from rlseq.policies.memory import MEMORIES
 
-    return [*MEMORIES, *(m + NO_WINDOW for m in MEMORIES), *ANCHORS]
+    return [*MEMORIES, *(m + NO_WINDOW for m in MEMORIES), *ANCHORS, *DROP_INS]
 
 
 DEFAULT_VARIANTS = ("efla", "deltanet", "gru", "lstm", "none", "efla-conv1", "none-conv1", "sb3-lstm",
-                    "sb3-lstm-shared")
+                    "sb3-lstm-shared", "sb3-efla")
 
 
 @dataclass(frozen=True)
@@ -115,6 +119,8 @@ class BenchRun:
         """(memory, algo, extra train flags, tag) of the variant."""
         if self.variant in ANCHORS:
             return "lstm", "sb3-recurrent-ppo", ANCHORS[self.variant], ("shared" if ANCHORS[self.variant] else None)
+        if self.variant in DROP_INS:
+            return DROP_INS[self.variant], "sb3-recurrent-ppo", [], None
         if self.variant.endswith(NO_WINDOW):
             return self.variant[: -len(NO_WINDOW)], "rlseq", ["--conv-size", "1"], NO_WINDOW[1:]
         return self.variant, "rlseq", [], None
@@ -355,7 +361,7 @@ def execute(runs: list[BenchRun], out: Path, logdir: Path, *, jobs: int, episode
 
     # the anchors train several times slower per step on the CPU: first within their seed, so they do not end the
     # grid alone
-    todo = sorted((r for r in runs if not is_done(r, out)), key=lambda r: (r.seed, r.variant not in ANCHORS))
+    todo = sorted((r for r in runs if not is_done(r, out)), key=lambda r: (r.seed, r.variant not in SB3_VARIANTS))
     answers: dict[str, list[dict[str, Any]]] = {"done": [], "failed": [], "stopped": []}
     if not todo:
         return answers
@@ -426,13 +432,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = __doc__
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("--tasks", nargs="+", default=None, metavar="ID",
-                        help=f"gymnasium ids (default: the {len(TASKS)} POPGym Easy tasks: "
+                        help=f"gymnasium ids (default: the {len(TASKS)} tasks: "
                              f"{', '.join(short_task(t) for t in TASKS)})")
     parser.add_argument("--variants", nargs="+", default=None, metavar="VARIANT",
                         help="rlseq memories (efla, deltanet, gru, lstm, none), each also as <memory>-conv1 (the "
                              "same block without the convolution's window: the control for what the window alone "
                              f"explains), and sb3-contrib RecurrentPPO's own LSTM: {', '.join(ANCHORS)} (its "
-                             f"defaults; one LSTM shared by actor and critic); default: {' '.join(DEFAULT_VARIANTS)}")
+                             f"defaults; one LSTM shared by actor and critic), and rlseq's EFLA block inside it: "
+                             f"{', '.join(DROP_INS)}; default: {' '.join(DEFAULT_VARIANTS)}")
     parser.add_argument("--seeds", nargs="+", type=int, default=None, help=f"default: {' '.join(map(str, SEEDS))}")
     parser.add_argument("--steps", type=_count, default=None,
                         help=f"env steps of every run (default: {DEFAULT_STEPS:,} per task"
@@ -449,7 +456,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"a slice: {', '.join(short_task(t) for t in QUICK['tasks'])}; "
                              f"{', '.join(QUICK['variants'])}; seeds {', '.join(map(str, QUICK['seeds']))}; "
                              f"{QUICK['steps']:,} steps (flags given win): memory inside and beyond the window, a few "
-                             "minutes on 2 cores")
+                             "about 4 minutes on 2 cores")
     parser.add_argument("--report-only", action="store_true", help="rewrite <out>.md and <out>/curves.png from "
                                                                    "<out>/results and exit")
     parser.add_argument("--dry-run", action="store_true", help="print each run's state and training command, and exit")
