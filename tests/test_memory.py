@@ -34,7 +34,7 @@ from rlseq.policies import (  # noqa: E402
     NoMemory,
     make_memory,
 )
-from rlseq.policies.memory import GRUMemory  # noqa: E402
+from rlseq.policies.memory import ActorCriticMemory, GRUMemory  # noqa: E402
 from rlseq.policies.short_conv import ShortConv  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -226,6 +226,33 @@ def test_orthogonal_recurrent_init(name):
     lstm = make_memory("lstm", 5, d_model=32, forget_bias=2.0)  # with the default init too
     assert torch.equal((lstm.rnn.bias_ih_l0 + lstm.rnn.bias_hh_l0)[lstm.hidden_size:2 * lstm.hidden_size],
                        torch.full((lstm.hidden_size,), 2.0))
+
+
+@pytest.mark.parametrize("name", ["efla", "gru"])
+def test_actor_critic_memory_is_two_memories_side_by_side(name):
+    """Its output and state are the two memories' own, side by side, in training and in acting alike (with resets);
+    a non-finite state is reported with the memory it is in."""
+    torch.manual_seed(0)
+    pair = ActorCriticMemory(name, F_IN, **SMALL[name])
+    assert pair.out_features == 2 * pair.actor.out_features and pair.name == name
+    B, T = 3, 11
+    x, r = _sequence(B, T)
+    s0 = _random_state(pair, B)
+    y, final = pair(x, s0, r)
+    actor_state, critic_state = pair.split(s0)
+    ya, fa = pair.actor(x, actor_state, r)
+    yc, fc = pair.critic(x, critic_state, r)
+    torch.testing.assert_close(y, torch.cat([ya, yc], -1))
+    torch.testing.assert_close(final, torch.cat([fa, fc], 1))
+    assert not torch.allclose(ya, yc)  # independently initialised
+    y_act, final_act = _act(pair, x, s0, r)
+    torch.testing.assert_close(y_act, y, atol=TOL, rtol=TOL)
+    torch.testing.assert_close(final_act, final, atol=TOL, rtol=TOL)
+    bad = s0.clone()
+    bad[1, -1] = float("nan")  # the critic's window
+    with pytest.raises(MemoryStateError, match="the critic's memory"):
+        pair.check_finite(bad, "here")
+    pair.check_finite(s0, "here")
 
 
 def test_make_memory_errors():

@@ -42,18 +42,19 @@ class _NoOp(BaseCallback):
         return True
 
 
-def _cartpole_model(memory: str, n_envs: int = 4, n_steps: int = 48, seed: int = 0) -> MemoryPPO:
+def _cartpole_model(memory: str, n_envs: int = 4, n_steps: int = 48, seed: int = 0, **policy_kwargs) -> MemoryPPO:
     env = make_vec_env("CartPole-v1", n_envs=n_envs, seed=seed)
     model = MemoryPPO("MlpPolicy", env, n_steps=n_steps, n_minibatches=2, seed=seed, device="cpu",
-                      policy_kwargs=dict(memory=memory, memory_kwargs=MEMORY_KWARGS[memory]))
+                      policy_kwargs=dict(memory=memory, memory_kwargs=MEMORY_KWARGS[memory], **policy_kwargs))
     model.set_logger(configure(None, []))
     return model
 
 
 
-@pytest.mark.parametrize("memory", ["efla", "deltanet", "lstm", "none"])
-def test_sequence_losses_equal_a_step_by_step_recomputation(memory):
-    model = _cartpole_model(memory)
+@pytest.mark.parametrize(("memory", "critic_memory"), [("efla", False), ("deltanet", False), ("lstm", False),
+                                                      ("none", False), ("efla", True), ("lstm", True)])
+def test_sequence_losses_equal_a_step_by_step_recomputation(memory, critic_memory):
+    model = _cartpole_model(memory, critic_memory=critic_memory)
     _collect(model)  # first rollout: the memory starts empty
     model.train()  # move the weights and the memory state away from zero
     _collect(model, setup=False)  # second rollout: starts from the memory state carried over
@@ -145,6 +146,38 @@ def test_save_load_predict_roundtrip(tmp_path):
     assert np.allclose(s2, t2) and not np.allclose(s1, s2)
     with pytest.raises(ValueError, match="state must have shape"):
         loaded.predict(obs, state=s1[:, :1], episode_start=np.zeros(2, bool))
+
+
+def test_a_critic_memory_is_trained_by_the_value_loss_alone_and_survives_save_load(tmp_path):
+    """``critic_memory=True``: the value loss reaches the critic's memory and trunk, not the actor's; the policy
+    loss the actor's, not the critic's; the doubled state round-trips through save/load and predict."""
+    model = _cartpole_model("efla", n_envs=2, n_steps=16, critic_memory=True)
+    policy = model.policy
+    actor_n = policy.memory.actor.state_shape[0]
+    assert policy.initial_state(2).shape == (2, actor_n + policy.memory.critic.state_shape[0])
+    obs = torch.randn(2, 5, 4)
+    resets = torch.zeros(2, 5, dtype=torch.bool)
+    resets[:, 0] = True
+    values, log_prob, _ = policy.evaluate_sequences(obs, torch.randint(0, 2, (2, 5)), policy.initial_state(2), resets)
+
+    def touched(loss):
+        grads = torch.autograd.grad(loss, list(policy.parameters()), retain_graph=True, allow_unused=True)
+        return {name.split(".")[0] + "." + name.split(".")[1] for (name, _), g in zip(policy.named_parameters(), grads)
+                if g is not None and g.abs().sum() > 0}
+
+    by_value, by_policy = touched(values.sum()), touched(log_prob.sum())
+    assert any(n.startswith("memory.critic") for n in by_value) and any(n.startswith("critic_trunk") for n in by_value)
+    assert not any(n.startswith(("memory.actor", "trunk.", "action_net")) for n in by_value), by_value
+    assert any(n.startswith("memory.actor") for n in by_policy)
+    assert not any(n.startswith(("memory.critic", "critic_trunk", "value_net")) for n in by_policy), by_policy
+    model.learn(64)
+    env_obs = model.env.reset()
+    a1, s1 = model.predict(env_obs, state=None, episode_start=np.ones(2, bool), deterministic=True)
+    model.save(tmp_path / "m.zip")
+    loaded = MemoryPPO.load(tmp_path / "m.zip", device="cpu")
+    assert loaded.policy.critic_memory
+    b1, t1 = loaded.predict(env_obs, state=None, episode_start=np.ones(2, bool), deterministic=True)
+    assert np.array_equal(a1, b1) and np.allclose(s1, t1) and s1.shape == (2, loaded.policy.memory.state_shape[0])
 
 
 def test_n_minibatches_must_divide_n_envs():

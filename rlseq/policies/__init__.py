@@ -17,6 +17,7 @@ from rlseq._lazy import lazy_exports
 
 from rlseq.policies.memory import (
     MEMORIES,
+    ActorCriticMemory,
     DeltaNetMemory,
     EFLAMemory,
     GRUMemory,
@@ -43,7 +44,7 @@ _LAZY = {
 }
 
 __all__ = sorted(
-    ["MEMORIES", "DeltaNetMemory", "EFLAMemory", "GRUMemory", "LSTMMemory", "Memory", "MemoryStateError", "NoMemory", "make_memory", *_LAZY]
+    ["MEMORIES", "ActorCriticMemory", "DeltaNetMemory", "EFLAMemory", "GRUMemory", "LSTMMemory", "Memory", "MemoryStateError", "NoMemory", "make_memory", *_LAZY]
 )
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -27,7 +27,7 @@ from stable_baselines3.common.type_aliases import PyTorchObs, Schedule
 from torch import nn
 from torch.distributions import Bernoulli, Categorical, Normal
 
-from rlseq.policies.memory import Memory, make_memory
+from rlseq.policies.memory import ActorCriticMemory, Memory, make_memory
 
 
 def default_features_extractor(observation_space: spaces.Space) -> type[BaseFeaturesExtractor]:
@@ -179,6 +179,10 @@ class MemoryPPOPolicy(BasePolicy):
         outputs (PopArt, van Hasselt et al. 2016; Hessel et al. 2019): see :class:`ValueNormalizer`. On by
         default: it keeps the value loss (and so its share of the clipped gradient) O(1) whatever the reward and
         value scales, which an unnormalised critic under a 0.5 gradient clip does not survive.
+    :param critic_memory: give the critic a memory of its own, of the same kind and arguments, and a trunk of its own
+        (sb3-contrib's ``enable_critic_lstm``; :class:`~rlseq.policies.memory.ActorCriticMemory`): the value loss
+        then no longer trains the actor's memory. Off by default: the actor and the critic share the memory and the
+        trunk. The state doubles.
     :param optimizer_kwargs: SB3's; ``None`` means ``{"eps": 1e-5}`` for Adam. Fused Adam is
         ``optimizer_kwargs=dict(eps=1e-5, fused=True)`` (give ``eps`` too: explicit kwargs replace the default).
 
@@ -205,6 +209,7 @@ class MemoryPPOPolicy(BasePolicy):
         amp_dtype: torch.dtype | str | None = None,
         channels_last: bool = False,
         value_norm: bool = True,
+        critic_memory: bool = False,
     ):
         if use_sde:
             raise ValueError("gSDE is not supported by MemoryPPOPolicy")
@@ -230,16 +235,25 @@ class MemoryPPOPolicy(BasePolicy):
         self.features_extractor = self.make_features_extractor()
         if self.channels_last:
             self.features_extractor.to(memory_format=torch.channels_last)
-        self.memory: Memory = make_memory(memory, self.features_extractor.features_dim, **self.memory_kwargs)
-        self.trunk, latent_dim = _mlp(self.memory.out_features, self.net_arch, activation_fn)
+        self.critic_memory = bool(critic_memory)
+        features_dim = self.features_extractor.features_dim
+        self.memory: Memory | ActorCriticMemory = (
+            ActorCriticMemory(memory, features_dim, **self.memory_kwargs) if self.critic_memory
+            else make_memory(memory, features_dim, **self.memory_kwargs))
+        memory_out = self.memory.out_features // (2 if self.critic_memory else 1)
+        self.trunk, latent_dim = _mlp(memory_out, self.net_arch, activation_fn)
+        # with a critic memory the value head reads it through a trunk of its own
+        self.critic_trunk = _mlp(memory_out, self.net_arch, activation_fn)[0] if self.critic_memory else None
         self.action_dist: Distribution = make_proba_distribution(action_space)
         self.action_net = self.action_dist.proba_distribution_net(latent_dim=latent_dim)
         if isinstance(self.action_net, tuple):  # Gaussian: (mean net, log_std parameter)
             self.action_net, self.log_std = self.action_net
         self.value_net = nn.Linear(latent_dim, 1)
         if ortho_init:
-            for module, gain in ((self.trunk, np.sqrt(2)), (self.action_net, 0.01), (self.value_net, 1.0)):
-                module.apply(partial(self.init_weights, gain=gain))
+            for module, gain in ((self.trunk, np.sqrt(2)), (self.critic_trunk, np.sqrt(2)), (self.action_net, 0.01),
+                                 (self.value_net, 1.0)):
+                if module is not None:
+                    module.apply(partial(self.init_weights, gain=gain))
         self.value_norm = bool(value_norm)
         self.value_normalizer = ValueNormalizer(self.value_net) if self.value_norm else None
         self.optimizer = self.optimizer_class(self.parameters(), lr=lr_schedule(1), **self.optimizer_kwargs)
@@ -260,6 +274,7 @@ class MemoryPPOPolicy(BasePolicy):
             amp_dtype=self.amp_dtype,
             channels_last=self.channels_last,
             value_norm=self.value_norm,
+            critic_memory=self.critic_memory,
             lr_schedule=self._dummy_schedule,
         )
         return data
@@ -290,11 +305,15 @@ class MemoryPPOPolicy(BasePolicy):
 
     def _head_outputs(self, memory_out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``memory_out [N, F]`` → the action distribution's parameters and the values ``[N]``."""
-        latent = self.trunk(memory_out)
-        values = self.value_net(latent).squeeze(-1)
+        if self.critic_trunk is None:
+            latent_pi = latent_vf = self.trunk(memory_out)
+        else:  # [actor's output, critic's output] (ActorCriticMemory)
+            actor_out, critic_out = memory_out.chunk(2, dim=-1)
+            latent_pi, latent_vf = self.trunk(actor_out), self.critic_trunk(critic_out)
+        values = self.value_net(latent_vf).squeeze(-1)
         if self.value_normalizer is not None:
             values = self.value_normalizer.denormalize(values)
-        return self.action_net(latent), values
+        return self.action_net(latent_pi), values
 
     def value_scale(self) -> torch.Tensor | float:
         """The scale by which the value loss is divided (σ² of :class:`ValueNormalizer`, 1 without it): the loss

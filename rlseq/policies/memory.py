@@ -69,6 +69,7 @@ DEFAULT_D_MODEL = 128
 DEFAULT_CONV_SIZE = 4
 
 __all__ = [
+    "ActorCriticMemory",
     "DEFAULT_CONV_SIZE",
     "DEFAULT_D_MODEL",
     "MEMORIES",
@@ -645,6 +646,65 @@ class LSTMMemory(_RNNMemory):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", forget_bias={self.forget_bias}" if self.forget_bias is not None else "")
+
+
+class ActorCriticMemory(nn.Module):
+    """Two memories of one kind over the same features, the actor's and the critic's, so that the value loss
+    trains a memory of its own (sb3-contrib's ``enable_critic_lstm``) instead of the actor's: the same interface as
+    :class:`Memory`, with
+
+    - ``forward(x [B, T, F], state [B, N_a + N_c], resets [B, T]) -> (y [B, T, 2·d], final [B, N_a + N_c])``,
+      ``y`` the actor's output then the critic's on the last dim (:attr:`out_features` ``= 2·d``);
+    - ``step(x [B, F], state, resets [B]) -> y [B, 2·d]``, ``state`` updated in place;
+    - the state ``[B, N_a + N_c]``: the actor's flat state, then the critic's (:meth:`split` gives both as views).
+
+    Both memories are built with the same arguments and initialised independently.
+    """
+
+    def __init__(self, name: str, in_features: int, **memory_kwargs: Any) -> None:
+        super().__init__()
+        self.actor = make_memory(name, in_features, **memory_kwargs)
+        self.critic = make_memory(name, in_features, **memory_kwargs)
+        self.name = self.actor.name
+        self.train_graph_obstacle = self.actor.train_graph_obstacle
+        self.in_features = self.actor.in_features
+        self.d_model = self.actor.d_model
+        self.out_features = 2 * self.actor.out_features
+
+    @property
+    def state_shape(self) -> tuple[int, ...]:
+        return (self.actor.state_shape[0] + self.critic.state_shape[0],)
+
+    def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> torch.Tensor:
+        return torch.zeros(batch_size, *self.state_shape, dtype=torch.float32, device=device)
+
+    def split(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views of ``state [B, N_a + N_c]``: the actor's ``[B, N_a]`` and the critic's ``[B, N_c]``."""
+        n = self.actor.state_shape[0]
+        return state[:, :n], state[:, n:]
+
+    def forward(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        actor_state, critic_state = self.split(state)
+        y_actor, final_actor = self.actor(x, actor_state, resets)
+        y_critic, final_critic = self.critic(x, critic_state, resets)
+        return torch.cat([y_actor, y_critic], -1), torch.cat([final_actor, final_critic], 1)
+
+    def step(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
+        actor_state, critic_state = self.split(state)
+        return torch.cat([self.actor.step(x, actor_state, resets), self.critic.step(x, critic_state, resets)], -1)
+
+    @torch.no_grad()
+    def diagnostics(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The actor's diagnostics under their own names, the critic's prefixed ``critic_``."""
+        actor_state, critic_state = self.split(state)
+        return {**self.actor.diagnostics(x, actor_state, resets),
+                **{f"critic_{k}": v for k, v in self.critic.diagnostics(x, critic_state, resets).items()}}
+
+    def check_finite(self, state: torch.Tensor, where: str) -> None:
+        actor_state, critic_state = self.split(state)
+        self.actor.check_finite(actor_state, f"{where} (the actor's memory)")
+        self.critic.check_finite(critic_state, f"{where} (the critic's memory)")
 
 
 _REGISTRY: dict[str, type[Memory]] = {
