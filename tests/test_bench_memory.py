@@ -215,6 +215,25 @@ def test_an_ablation_config_reaches_every_run(tmp_path, capsys):
         bench_main([*common, "--config", str(tmp_path / "missing.yml")])
 
 
+def test_the_readme_describes_the_grid_the_code_runs():
+    """The README's numbers of the full grid (tasks, variants, seeds, budgets, episodes) are the code's."""
+    import re
+
+    text = " ".join((REPO / "README.md").read_text().split())
+    tasks, variants, seeds = map(int, re.search(r"the full grid: (\d+) tasks x (\d+) variants x (\d+) seeds",
+                                                text).groups())
+    assert (tasks, variants, seeds) == (len(M.TASKS), len(M.DEFAULT_VARIANTS), len(M.SEEDS))
+    assert f"with PPO on {len(M.TASKS)} tasks" in text and f"{len(M.SEEDS)} seeds." in text
+    lags = ", ".join(t.split("Lag")[1].split("-")[0] for t in M.HORIZON_TASKS)
+    assert lags.rsplit(", ", 1)[0] + " and " + lags.rsplit(", ", 1)[1] + " steps back" in text
+    assert {M.TASK_STEPS[t] for t in (*M.HORIZON_TASKS, *M.LONG_TASKS)} == {500_000} and M.DEFAULT_STEPS == 100_000
+    assert "500k env steps a run on the horizon and Medium tasks, 100k on the Easy ones" in text
+    assert len(M.EASY_TASKS) == 10 and "POPGym's ten Easy tasks" in text
+    assert f"plays {M.EPISODES} new episodes" in text
+    for variant in M.DEFAULT_VARIANTS:
+        assert f"`{variant}`" in text, variant
+
+
 def test_results_of_another_commit_are_refused(tmp_path, monkeypatch):
     out = tmp_path / "out"
     _result(out, T1, "efla", 0, 0.5)  # made at "abc" (see _result)

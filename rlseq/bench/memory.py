@@ -2,7 +2,7 @@
 variant, seed and task.
 
     python -m rlseq.bench memory --quick         # a slice on 2 cores: runs/memory_benchmark_quick.md
-    python -m rlseq.bench memory --jobs 64       # the full grid into docs/memory_benchmark/
+    python -m rlseq.bench memory --jobs 64       # the full grid into runs/memory_benchmark/
     python -m rlseq.bench memory --report-only --out docs/memory_benchmark   # docs/memory_benchmark.md again
 
 The tasks: the memory-horizon sweep (``rlseq/RepeatPreviousLag{L}-v0``, the card L = 1 ... 64 steps back), two
@@ -71,7 +71,7 @@ SB3_VARIANTS = (*ANCHORS, *DROP_INS)  # trained by sb3-contrib: slower, so start
 # the first thing a new user runs: memory against no memory inside and beyond the window, at a short budget
 QUICK = {"tasks": ("rlseq/RepeatPreviousLag2-v0", "rlseq/RepeatPreviousLag8-v0", "popgym-RepeatFirstEasy-v0"),
          "variants": ("efla", "gru", "none"), "seeds": (0,), "steps": DEFAULT_STEPS}
-DEFAULT_OUT = "docs/memory_benchmark"
+DEFAULT_OUT = "runs/memory_benchmark"  # the published report is --out docs/memory_benchmark
 QUICK_OUT = "runs/memory_benchmark_quick"
 CHECKPOINTS_PER_RUN = 10  # resume granularity, and the progress bar's between the ends of runs
 EVAL_ENVS = 16
