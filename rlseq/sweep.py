@@ -69,7 +69,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 GRID_KEYS = ("envs", "memories", "seeds", "conditions")
 SWEEP_KEYS = frozenset(GRID_KEYS + ("logdir", "flags", "runs_per_gpu", "description"))
@@ -144,11 +143,14 @@ def _flag_argv(flags: dict[str, Any], known: dict[str, argparse.Action]) -> list
 
 def load_sweep(path: str | Path) -> dict[str, Any]:
     """Read and check a sweep file (see the module docstring)."""
+    from rlseq.config import UsageError, read_yaml
+
     path = Path(path)
-    if not path.exists():
-        raise SweepError(f"sweep file {path} does not exist")
-    with open(path) as f:
-        spec = yaml.safe_load(f) or {}
+    try:
+        spec = read_yaml(path, "sweep file")
+    except UsageError as e:
+        raise SweepError(str(e)) from None
+    spec = {} if spec is None else spec
     if not isinstance(spec, dict):
         raise SweepError(f"{path}: expected a mapping with keys {', '.join(sorted(SWEEP_KEYS))}")
     unknown = set(spec) - SWEEP_KEYS
@@ -157,6 +159,9 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     for key in ("envs", "memories", "seeds"):
         if not isinstance(spec.get(key), list) or not spec[key]:
             raise SweepError(f"{path}: {key!r} must be a non-empty list")
+        if any(item is None or isinstance(item, (dict, list)) for item in spec[key]):
+            raise SweepError(f"{path}: {key!r} must list plain names or numbers, got {spec[key]!r} (an empty "
+                             "item is null)")
     conditions = spec.get("conditions") or {"default": {}}
     if not isinstance(conditions, dict) or not all(isinstance(v, dict) or v is None for v in conditions.values()):
         raise SweepError(f"{path}: 'conditions' must map a name to a mapping of train flags")
