@@ -435,6 +435,85 @@ def test_hyperparameters_outside_an_env_entry_are_refused_with_where_they_go(tmp
                      f"hyperparameter: put it under {ENV}: (this env) or popgym: (every popgym env)"]
 
 
+@pytest.mark.parametrize("content,message", [
+    (b"5\n", "holds the int 5; it must map env ids"),
+    (b"- popgym\n", "holds the list ['popgym']; it must map env ids"),
+    (b"popgym:\n  n_envs: [4\n", "is not valid YAML at line 3, column 1"),
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is not a UTF-8 text file"),
+    (b"popgym: !!python/object/apply:os.system ['echo hi']\n", "!!python tags are not read"),
+    (b"popgym:\nn_envs: 4\n", "the entry 'popgym' of {path} is empty (null) (n_envs is outside it: indent under popgym:)"),
+    (b"popgym: 3\n", "the entry 'popgym' of {path} must be a mapping of hyperparameters (key: value), not a int"),
+])
+def test_a_config_file_that_is_no_mapping_of_hyperparameters_is_one_error_line(content, message, tmp_path, capsys,
+                                                                               monkeypatch):
+    path = tmp_path / "c.yml"
+    path.write_bytes(content)
+    lines = _refused(["--env", ENV, "--config", str(path)], tmp_path, capsys, monkeypatch)
+    assert len(lines) == 1 and message.format(path=path) in lines[0] and str(path) in lines[0], lines
+
+
+def test_a_config_path_that_is_a_directory_is_one_error_line(tmp_path, capsys, monkeypatch):
+    lines = _refused(["--env", ENV, "--config", str(tmp_path)], tmp_path, capsys, monkeypatch)
+    assert lines == [f"error: config file {tmp_path} is a directory; give the YAML file in it"]
+
+
+@pytest.mark.parametrize("memory,memory_kwargs,message", [
+    ("efla", {"efla": {"n_head": 4}}, "unknown memory_kwargs key 'n_head' of efla in {path}; did you mean n_heads? "
+                                      "valid keys of efla: d_model, conv_size, residual, n_heads, head_dim,"),
+    ("efla", {"efla": {"head_dim": 0}}, "memory_kwargs efla head_dim 0 must be a whole number >= 1 ({path})"),
+    ("gru", {"gru": {"d_model": -8}}, "memory_kwargs gru d_model -8 must be a whole number >= 1 ({path})"),
+    ("gru", {"gru": {"hiden_size": 8}}, "did you mean hidden_size"),
+    ("lstm", {"lstm": {"proj_size": 4}}, "unknown memory_kwargs key 'proj_size' of lstm"),
+    ("lstm", {"lstm": {"recurrent_init": "xavier"}}, "recurrent_init 'xavier' is not valid; valid: uniform, orthogonal"),
+    ("efla", {"n_heads": 4}, "memory_kwargs key 'n_heads' in {path} is not a memory; memory_kwargs maps a memory "
+                             "(efla, deltanet, gru, lstm, none) to its keywords, e.g. {{efla: {{n_heads: 4}}}}"),
+    ("efla", {"eflaa": {}}, "memory_kwargs key 'eflaa' in {path} is not a memory; did you mean efla?"),
+    ("none", {"deltanet": {"n_head": 2}}, "of deltanet"),  # every memory's entry, not only the one trained
+])
+def test_a_bad_memory_keyword_is_one_error_line_before_the_run_folder_exists(memory, memory_kwargs, message, tmp_path,
+                                                                            capsys, monkeypatch):
+    path = _config(tmp_path, memory_kwargs=memory_kwargs)
+    lines = _refused(["--env", ENV, "--memory", memory, "--config", str(path)], tmp_path, capsys, monkeypatch)
+    assert len(lines) == 1 and message.format(path=path) in lines[0], lines
+
+
+def test_the_memory_keywords_are_those_the_constructors_take():
+    from rlseq.policies.memory import MEMORIES, make_memory, memory_keywords
+
+    for name in MEMORIES:
+        keywords = memory_keywords(name)
+        assert {"d_model", "conv_size", "residual"} <= set(keywords)
+        make_memory(name, 3, **{k: v for k, v in keywords.items() if k != "backend"})  # each one is accepted
+    assert {"dropout", "bias", "forget_bias"} <= set(memory_keywords("lstm")) and "proj_size" not in memory_keywords("lstm")
+
+
+@pytest.mark.parametrize("algo,memory,changes,message", [
+    ("rlseq", "none", {"policy_kwargs": {"net_arc": [64]}},
+     "unknown policy_kwargs key 'net_arc' in {path}; did you mean net_arch? valid keys of the policy of --algo rlseq:"),
+    ("sb3-recurrent-ppo", "lstm", {"policy_kwargs": {"lstm_hidden_sise": 64}}, "did you mean lstm_hidden_size?"),
+    ("rlseq", "none", {"policy_kwargs": {"memory": "gru"}}, "policy_kwargs key 'memory' in {path} is set by --memory"),
+    ("rlseq", "none", {"env_kwargs": {"kk": 2}},
+     f"unknown env_kwargs key 'kk' in {{path}}; did you mean k? valid keys of {ENV}: disable_env_checker, k,"),
+])
+def test_an_unknown_policy_or_env_keyword_is_one_error_line(algo, memory, changes, message, tmp_path, capsys,
+                                                           monkeypatch):
+    path = _config(tmp_path, **changes)
+    lines = _refused(["--env", ENV, "--algo", algo, "--memory", memory, "--config", str(path)], tmp_path, capsys,
+                     monkeypatch)
+    assert len(lines) == 1 and message.format(path=path) in lines[0], lines
+
+
+def test_known_memory_policy_and_env_keywords_pass(tmp_path):
+    from rlseq.train import build_parser, resolve
+
+    path = _config(tmp_path, memory_kwargs={"gru": {"hidden_size": "1e1", "dropout": 0.1, "recurrent_init": "orthogonal"},
+                                            "efla": {"head_dim": None, "backend": "torch"}},
+                   policy_kwargs={"net_arch": [8], "value_norm": False}, env_kwargs={"k": 2, "max_episode_steps": 50})
+    cfg = resolve(build_parser().parse_args(["--env", ENV, "--memory", "gru", "--config", str(path)]))
+    assert cfg["memory_kwargs"] == {"hidden_size": 10, "dropout": 0.1, "recurrent_init": "orthogonal"}
+    assert cfg["env_kwargs"] == {"k": 2, "max_episode_steps": 50}
+
+
 def test_numeric_strings_are_accepted_for_number_keys(tmp_path):
     from rlseq.train import build_parser, resolve
 

@@ -147,6 +147,28 @@ def test_a_bad_sweep_file_fails_before_anything_runs(overrides, message, tmp_pat
     assert not (tmp_path / "runs").exists()
 
 
+@pytest.mark.parametrize("content,message", [
+    (b"envs: [caveflyer\nmemories: [efla]\n", "is not valid YAML at line 2"),
+    (b"\xff\xfe\x00e\x00n\x00v\x00", "is not a UTF-8 text file"),
+    (b"envs: !!python/object/apply:os.system ['true']\n", "!!python tags are not read"),
+    (b"envs: [caveflyer, null]\nmemories: [efla]\nseeds: [0]\n", "'envs' must list plain names or numbers"),
+    (b"envs: [caveflyer]\nmemories: [efla]\nseeds:\n  -\n", "'seeds' must list plain names or numbers"),
+    (b"envs: [caveflyer]\nmemories: [efla]\nseeds: [0]\nflags: {config: DIR}\n", "config file DIR is a directory"),
+])
+def test_a_sweep_file_that_is_not_a_grid_is_one_error_line(content, message, tmp_path, capsys):
+    path = tmp_path / "bad.yml"
+    path.write_bytes(content.replace(b"DIR", str(tmp_path).encode()))
+    assert S.main(_cpu(path, "--dry-run")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message.replace("DIR", str(tmp_path)) in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_sweep_path_that_is_a_directory_is_one_error_line(tmp_path, capsys):
+    assert S.main([str(tmp_path), "--dry-run"]) == 2
+    assert capsys.readouterr().err == f"error: sweep file {tmp_path} is a directory; give the YAML file in it\n"
+
+
 def test_missing_sweep_file_and_bad_parallelism(tmp_path, capsys):
     assert S.main([str(tmp_path / "nope.yml"), "--dry-run"]) == 2
     assert "error: sweep file" in capsys.readouterr().err
