@@ -641,13 +641,22 @@ class _RandomAgent:
         return np.random.randint(0, 15, len(episode_start)), None
 
 
+def _fake_model(path: Path) -> None:
+    """A zip with the members of an SB3 model, which evaluate() takes for one (its loader is replaced)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("data", "{}")
+        z.writestr("policy.pth", b"")
+
+
 def test_no_evaluation_level_is_a_training_level(tmp_path, capsys, monkeypatch):
     import rlseq.train as T
     from rlseq.evaluate import LEVEL_SEED_END, evaluate, main as evaluate_main
 
     run = tmp_path / "run"
     run.mkdir()
-    (run / "final_model.zip").write_bytes(b"")
+    _fake_model(run / "final_model.zip")
     # leaper: a random agent's episodes are short. The run trained on all level seeds but the last 1000, so that
     # levels drawn from the whole seed range (procgen's num_levels=0) would be training levels
     first = LEVEL_SEED_END - 1000
@@ -665,6 +674,72 @@ def test_no_evaluation_level_is_a_training_level(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         evaluate_main([str(run), "--episodes", "1", "--start-level", "8"])
     assert f"reaches into the training levels [7, {first})" in capsys.readouterr().err
+
+
+def _evaluate_refused(run: Path, extra: list[str], capsys, monkeypatch) -> str:
+    """The one error line of an evaluation refused before any env is built."""
+    import rlseq.train as T
+    from rlseq.evaluate import main as evaluate_main
+
+    monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built before validation"))
+    with pytest.raises(SystemExit) as e:
+        evaluate_main([str(run), "--episodes", "1", *extra])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("config,message", [
+    (None, "config.yaml not found: RUN_DIR must be a run folder written by rlseq.train"),
+    (b"\x00\xff\xfe", "run config {path} is not a UTF-8 text file"),
+    (b"env: [popgym\n", "run config {path} is not valid YAML at line 2"),
+    (b"- 1\n", "{path} holds no mapping of settings but list '[1]'"),
+    (b"seed: 0\n", "{path} lacks env, algo (or they are not names)"),
+])
+def test_evaluate_of_a_missing_or_garbage_config_yaml_is_one_error_line(config, message, tmp_path, capsys,
+                                                                       monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    _fake_model(run / "final_model.zip")
+    if config is not None:
+        (run / "config.yaml").write_bytes(config)
+    assert message.format(path=run / "config.yaml") in _evaluate_refused(run, [], capsys, monkeypatch)
+
+
+def test_evaluate_refuses_no_envs_and_a_cuda_device_this_host_lacks(interrupted, capsys, monkeypatch):
+    import torch
+
+    run = _folder(interrupted)
+    assert _evaluate_refused(run, ["--n-envs", "0"], capsys, monkeypatch) == "error: --n-envs must be >= 1, got 0"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _evaluate_refused(run, ["--device", "cuda"], capsys, monkeypatch) == \
+        "error: --device cuda: this host has no CUDA device (torch.cuda.is_available() is False); use --device cpu or auto"
+
+
+def test_evaluate_of_a_final_model_that_is_a_directory_and_no_checkpoint_is_one_error_line(interrupted, capsys,
+                                                                                           monkeypatch):
+    run = _folder(interrupted)
+    shutil.rmtree(run / "checkpoints")
+    (run / "final_model.zip").mkdir()
+    line = _evaluate_refused(run, [], capsys, monkeypatch)
+    assert line.startswith(f"error: {run} has neither a readable final_model.zip nor an intact checkpoint; "
+                           f"{run / 'final_model.zip'} is not a readable model (IsADirectoryError")
+
+
+def test_evaluate_names_the_model_it_played_and_the_newer_ones_it_passed_over(interrupted, capsys):
+    from rlseq.evaluate import main as evaluate_main
+
+    run = _folder(interrupted)
+    (run / "final_model.zip").mkdir()
+    (run / "checkpoints" / "step48" / "model.zip").write_bytes(b"torn")
+    evaluate_main([str(run), "--episodes", "1", "--n-envs", "1", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]  # the rest is the progress bar
+    assert len(warnings) == 3, err
+    assert f"{run / 'final_model.zip'} is not a readable model" in warnings[0]
+    assert "checkpoint step48 is not usable" in warnings[1] and "latest names 'step48'" in warnings[2]
+    assert "model checkpoints/step32/model.zip: the newer models are unusable (see the warnings)" in out
 
 
 # --- 9. leftovers of killed saves ----------------------------------------------------------------------------
