@@ -771,3 +771,68 @@ def test_resume_of_a_missing_run_folder_is_refused(tmp_path, capsys):
     assert e.value.code == 2
     assert f"--resume: there is no run folder {_folder(tmp_path)}" in capsys.readouterr().err
     assert not tmp_path.joinpath(ENV).exists()
+
+
+# --- 11. a run folder that cannot be written -----------------------------------------------------------------
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_file_and_the_intact_checkpoint(tmp_path, capsys,
+                                                                                          monkeypatch):
+    import errno
+
+    import torch
+
+    real_save = torch.save
+
+    def full_at_step32(obj, f, *args, **kwargs):  # the disk fills while the second checkpoint is written
+        if ".step32.tmp" in str(f):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_at_step32)
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(tmp_path, 48))
+    assert e.value.code == 1
+    line = _one_error(capsys)
+    ckpt = _folder(tmp_path) / "checkpoints"
+    assert line.startswith(f"error: cannot write {ckpt}/.step32.tmp") and "No space left on device (ENOSPC)" in line
+    assert f"the newest intact checkpoint is {ckpt / 'step16'}" in line
+    assert line.endswith(shlex.join(["python", "-m", "rlseq.train", *_argv(tmp_path, 48), "--resume"]))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step16"]  # the torn save took no space
+    monkeypatch.setattr(torch, "save", real_save)
+    _continue(line)
+    assert _steps(_folder(tmp_path) / "final_model.zip") == 48
+
+
+def test_a_read_only_checkpoints_folder_is_one_line_naming_the_intact_checkpoint(interrupted, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    ckpt = _folder(interrupted) / "checkpoints"
+    ckpt.chmod(0o555)
+    try:
+        with pytest.raises(SystemExit) as e:
+            train_main(_argv(interrupted, 64, "--resume"))
+    finally:
+        ckpt.chmod(0o755)
+    assert e.value.code == 1
+    line = _one_error(capsys)
+    assert f"cannot write {ckpt}" in line and "Permission denied" in line
+    assert f"the newest intact checkpoint is {ckpt / 'step48'}" in line and line.endswith("--resume")
+
+
+def test_a_logdir_that_is_a_file_is_one_error_line_and_the_file_is_kept(tmp_path, capsys):
+    logdir = tmp_path / "runs"
+    logdir.write_text("notes\n")
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(logdir, 16))
+    assert e.value.code == 2
+    assert _one_error(capsys) == (f"error: --logdir {logdir}: {logdir} is a file, so the run folder {_folder(logdir)} "
+                                  "cannot be made; give a folder (or a path that does not exist yet)")
+    assert logdir.read_text() == "notes\n"
