@@ -449,6 +449,15 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         for key in PROCGEN_OPTIONS:
             if getattr(args, key) is not None:
                 env_kwargs[key] = getattr(args, key)
+        for key in ("num_levels", "start_level", "num_threads"):  # procgen checks them only once the folder exists
+            if key in env_kwargs:
+                where = "--" + key.replace("_", "-") if getattr(args, key) is not None else origin.get("env_kwargs")
+                try:
+                    env_kwargs[key] = _whole(0)(env_kwargs[key])
+                except ValueError as e:
+                    raise UsageError(f"{key} {env_kwargs[key]!r} {e} ({where})") from None
+        if env_kwargs.get("num_levels", 0) + env_kwargs.get("start_level", 0) > 2**31 - 1:
+            raise UsageError("start_level + num_levels must be <= 2**31 - 1 (procgen's level seeds are C ints)")
         mode = env_kwargs.get("distribution_mode", "easy")
         if mode not in PROCGEN_DISTRIBUTION_MODES[env]:
             raise UsageError(f"distribution mode {mode!r} is not valid for {env}; valid: {', '.join(PROCGEN_DISTRIBUTION_MODES[env])}")

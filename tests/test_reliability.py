@@ -503,6 +503,17 @@ def test_an_unknown_policy_or_env_keyword_is_one_error_line(algo, memory, change
     assert len(lines) == 1 and message.format(path=path) in lines[0], lines
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--num-levels", "-1"], "error: num_levels -1 must be a whole number >= 0 (--num-levels)"),
+    (["--num-threads", "-2"], "error: num_threads -2 must be a whole number >= 0 (--num-threads)"),
+    (["--num-levels", str(2**31 - 1), "--start-level", "1"],
+     "error: start_level + num_levels must be <= 2**31 - 1 (procgen's level seeds are C ints)"),
+])
+def test_a_procgen_level_range_out_of_bounds_is_one_error_line_before_the_run_folder_exists(argv, message, tmp_path,
+                                                                                            capsys, monkeypatch):
+    assert _refused(["--env", "caveflyer", *argv], tmp_path, capsys, monkeypatch) == [message]
+
+
 def test_known_memory_policy_and_env_keywords_pass(tmp_path):
     from rlseq.train import build_parser, resolve
 
