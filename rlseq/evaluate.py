@@ -10,6 +10,9 @@ The result lists the level seed of every episode.
 Gymnasium envs: evaluation env ``i`` is seeded ``2**31 + seed + i`` (``seed`` is ``--seed``), while the training
 envs are seeded below 2**31 (``s + i`` for a run with seed ``s``, a seed below 2**30 after a resume): disjoint
 seeds, hence new episode draws. ``--start-level`` is procgen's only.
+
+The model played is ``final_model.zip``, else the newest intact checkpoint's; each newer file passed over (an
+unreadable ``final_model.zip``, a torn checkpoint) is a ``warning:`` line, and the result line names the model.
 """
 
 from __future__ import annotations

@@ -194,6 +194,9 @@ def expand(spec: dict[str, Any], only: dict[str, set[str]] | None = None, logdir
         if missing:
             raise SweepError(f"--only {key}={','.join(missing)}: not in the grid; valid {key} values: {', '.join(grid[key])}")
     logdir = str(logdir if logdir is not None else spec["logdir"])
+    blocked = next((p for p in (Path(logdir), *Path(logdir).parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:  # every trainer and the status file would fail on it
+        raise SweepError(f"logdir {logdir}: {blocked} is a file; give a folder (or a path that does not exist yet)")
     parser = build_parser()
     known = parser._option_string_actions
     runs = []

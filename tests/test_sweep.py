@@ -164,6 +164,14 @@ def test_a_sweep_file_that_is_not_a_grid_is_one_error_line(content, message, tmp
     assert not (tmp_path / "runs").exists()
 
 
+def test_a_logdir_that_is_a_file_is_one_error_line(tmp_path, capsys):
+    (tmp_path / "runs").write_text("notes\n")
+    assert S.main(_cpu(_sweep_file(tmp_path))) == 2
+    assert capsys.readouterr().err == (f"error: logdir {tmp_path / 'runs'}: {tmp_path / 'runs'} is a file; give a "
+                                       "folder (or a path that does not exist yet)\n")
+    assert (tmp_path / "runs").read_text() == "notes\n"
+
+
 def test_a_sweep_path_that_is_a_directory_is_one_error_line(tmp_path, capsys):
     assert S.main([str(tmp_path), "--dry-run"]) == 2
     assert capsys.readouterr().err == f"error: sweep file {tmp_path} is a directory; give the YAML file in it\n"
