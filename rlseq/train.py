@@ -322,10 +322,14 @@ def _final_save(model, folder: Path, settings: dict[str, Any]) -> None:
     names the checkpoint that a resume continues from (the previous one, or this save's if it completed)."""
     from rlseq.checkpoint import resumable_checkpoint, save_checkpoint
 
+    tmp = folder / ".final_model.tmp.zip"
     try:
         save_checkpoint(model, folder / "checkpoints", settings=settings)
-        model.save(folder / ".final_model.tmp.zip")
-        (folder / ".final_model.tmp.zip").replace(folder / "final_model.zip")
+        model.save(tmp)
+        tmp.replace(folder / "final_model.zip")
+    except OSError:  # a full disk: the checkpoint just saved (or the previous one) is what a resume continues from
+        tmp.unlink(missing_ok=True)
+        raise
     except Stopped as e:
         kept = resumable_checkpoint(folder / "checkpoints")[0]
         e.where += f"; newest intact checkpoint: {kept.name if kept is not None else 'none'}"

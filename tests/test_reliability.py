@@ -822,6 +822,34 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_file_and_the_intact_
     assert _steps(_folder(tmp_path) / "final_model.zip") == 48
 
 
+def test_a_full_disk_at_the_final_model_names_the_final_checkpoint_and_leaves_no_partial_zip(tmp_path, capsys,
+                                                                                             monkeypatch):
+    import errno
+
+    from rlseq.algos import MemoryPPO
+
+    real_save = MemoryPPO.save
+
+    def full_at_the_final_model(self, path, *args, **kwargs):
+        if str(path).endswith(".final_model.tmp.zip"):
+            Path(path).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_save(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryPPO, "save", full_at_the_final_model)
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(tmp_path, 32))
+    assert e.value.code == 1
+    line = _one_error(capsys)
+    folder = _folder(tmp_path)
+    assert line.startswith(f"error: cannot write {folder / '.final_model.tmp.zip'}: No space left on device")
+    assert f"the newest intact checkpoint is {folder / 'checkpoints' / 'step32'}" in line
+    assert not (folder / ".final_model.tmp.zip").exists() and not (folder / "final_model.zip").exists()
+    monkeypatch.setattr(MemoryPPO, "save", real_save)
+    _continue(line)  # trains nothing: writes the final model of step 32
+    assert _steps(folder / "final_model.zip") == 32
+
+
 def test_a_read_only_checkpoints_folder_is_one_line_naming_the_intact_checkpoint(interrupted, capsys):
     if os.geteuid() == 0:
         pytest.skip("root writes into read-only folders")
