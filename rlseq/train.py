@@ -352,8 +352,8 @@ def _stop_with_resume_hint(args: argparse.Namespace, checkpoints) -> None:
 
 # errors of writing the run folder that the user can fix (space, permissions, a file where a folder goes): one line
 # instead of a traceback
-WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
-                          errno.EEXIST, errno.EISDIR, errno.EFBIG})
+WRITE_ERRNOS = frozenset(getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "ENOTDIR",
+                                                            "EEXIST", "EISDIR", "EFBIG") if hasattr(errno, name))
 
 
 def write_failure(args: argparse.Namespace, e: OSError) -> str:
