@@ -169,8 +169,9 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     spec["flags"] = spec.get("flags") or {}
     if not isinstance(spec["flags"], dict):
         raise SweepError(f"{path}: 'flags' must be a mapping of train flags")
-    if "runs_per_gpu" in spec and (not isinstance(spec["runs_per_gpu"], int) or spec["runs_per_gpu"] < 1):
-        raise SweepError(f"{path}: 'runs_per_gpu' must be an integer >= 1")
+    per_gpu = spec.get("runs_per_gpu", 1)
+    if isinstance(per_gpu, bool) or not isinstance(per_gpu, int) or per_gpu < 1:  # YAML reads yes/on as true
+        raise SweepError(f"{path}: 'runs_per_gpu' must be an integer >= 1, got {per_gpu!r}")
     spec.setdefault("logdir", "runs")
     spec["name"] = path.stem
     return spec

@@ -134,6 +134,7 @@ def test_a_list_is_repeated_for_a_repeatable_flag_only():
         ({"flags": {"n_steps": [16, 32]}}, r"flag 'n_steps' takes one value, got the list \[16, 32\]; to train "
                                            "several values, make each one a condition"),
         ({"conditions": {"a": {"learning_rate": [1e-3]}}}, "flag 'learning_rate' takes one value"),
+        ({"runs_per_gpu": True}, "'runs_per_gpu' must be an integer >= 1, got True"),
     ],
 )
 def test_a_bad_sweep_file_fails_before_anything_runs(overrides, message, tmp_path, capsys, monkeypatch):
