@@ -35,11 +35,16 @@ def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a temporary sibling, fsync it, and rename it onto ``path``: readers see the old or the
     new file, never a torn one."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:  # a full disk: the half-written temporary would only take more of it
+        if tmp.is_file():
+            tmp.unlink()
+        raise
 
 
 LOCK_NAME = ".lock"
@@ -118,16 +123,20 @@ def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2, settings: d
     tmp = root / f".step{model.num_timesteps}.tmp{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    model.save(tmp / "model.zip")
-    venv = model.get_vec_normalize_env()
-    if venv is not None:
-        venv.save(str(tmp / "vecnormalize.pkl"))
-    torch.save(rng_state(), tmp / "rng.pt")
-    if settings is not None:
-        (tmp / SETTINGS_NAME).write_text(yaml.safe_dump(settings, sort_keys=True))
-    sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
-    meta = {"num_timesteps": model.num_timesteps, "time": time.time(), "files": list(sizes), "sizes": sizes}
-    (tmp / "meta.json").write_text(json.dumps(meta))
+    try:
+        model.save(tmp / "model.zip")
+        venv = model.get_vec_normalize_env()
+        if venv is not None:
+            venv.save(str(tmp / "vecnormalize.pkl"))
+        torch.save(rng_state(), tmp / "rng.pt")
+        if settings is not None:
+            (tmp / SETTINGS_NAME).write_text(yaml.safe_dump(settings, sort_keys=True))
+        sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
+        meta = {"num_timesteps": model.num_timesteps, "time": time.time(), "files": list(sizes), "sizes": sizes}
+        (tmp / "meta.json").write_text(json.dumps(meta))
+    except OSError:  # a full disk: free what the unfinished checkpoint took (the previous one stays as it was)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     aside = None
     if final.exists():  # a re-save of this step: moved aside, not deleted, until the new one is in place
         aside = root / f".{final.name}.old{os.getpid()}"

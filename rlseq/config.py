@@ -151,6 +151,153 @@ def check_values(cfg: dict[str, Any], origin: dict[str, str]) -> list[str]:
     return messages
 
 
+def _did_you_mean(key: Any, valid: Any) -> str:
+    close = difflib.get_close_matches(str(key), list(valid), n=3)
+    return f"did you mean {' or '.join(close)}? " if close else ""
+
+
+_POSITIVE = _whole(1)
+# memory keyword -> its checker; the None default of a keyword that has one stays allowed
+MEMORY_VALUES: dict[str, Callable[[Any], Any]] = {
+    **dict.fromkeys(("d_model", "conv_size", "n_heads", "head_dim", "value_dim", "hidden_size", "num_layers",
+                     "chunk_size"), _POSITIVE),
+    **dict.fromkeys(("residual", "query_norm", "allow_negative_eigenvalues", "bias"), _boolean),
+    "beta_bias_init": _real(-MAX_SCALE), "forget_bias": _real(-MAX_SCALE), "dropout": _real(0, 1),
+}
+
+
+def memory_kwargs_problems(memory_kwargs: dict, where: str) -> list[str]:
+    """One message per entry of a config's ``memory_kwargs`` (memory name -> its keywords) that building the
+    memory would refuse: an unknown memory or keyword, or a value out of range. Checked against the constructors'
+    signatures (:func:`rlseq.policies.memory.memory_keywords`), so nothing is built."""
+    from rlseq.kernels.api import BACKENDS
+    from rlseq.policies.memory import MEMORIES, RECURRENT_INITS, memory_keywords
+
+    problems = []
+    for name, kwargs in memory_kwargs.items():
+        if name not in MEMORIES:
+            problems.append(f"memory_kwargs key {name!r} in {where} is not a memory; {_did_you_mean(name, MEMORIES)}"
+                            f"memory_kwargs maps a memory ({', '.join(MEMORIES)}) to its keywords, e.g. "
+                            "{efla: {n_heads: 4}}")
+            continue
+        if kwargs is None:
+            continue
+        if not isinstance(kwargs, dict):
+            problems.append(f"memory_kwargs {name} in {where} must be a mapping of keywords, not {_short(kwargs)}")
+            continue
+        valid = memory_keywords(name)
+        for key, value in kwargs.items():
+            if key not in valid:
+                problems.append(f"unknown memory_kwargs key {key!r} of {name} in {where}; "
+                                f"{_did_you_mean(key, valid)}valid keys of {name}: {', '.join(valid)}")
+                continue
+            if value is None and valid[key] is None:
+                continue
+            try:
+                if key in MEMORY_VALUES:
+                    kwargs[key] = MEMORY_VALUES[key](value)
+                elif key == "recurrent_init" and value not in RECURRENT_INITS:
+                    raise ValueError(f"is not valid; valid: {', '.join(RECURRENT_INITS)}")
+                elif key == "backend" and value not in BACKENDS:
+                    raise ValueError(f"is not valid; valid: {', '.join(BACKENDS)} or null (the best available)")
+            except ValueError as e:
+                problems.append(f"memory_kwargs {name} {key} {value!r} {e} ({where})")
+    return problems
+
+
+def _keywords(cls: type) -> set[str]:
+    """The keyword arguments ``cls(...)`` takes: its constructor's, and its parents' while ``**kwargs`` passes
+    them on."""
+    import inspect
+
+    found: set[str] = set()
+    for klass in cls.__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        params = inspect.signature(vars(klass)["__init__"]).parameters.values()
+        found |= {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+    return found - {"self", "observation_space", "action_space", "lr_schedule"}
+
+
+# policy keywords that other config keys set: key -> what sets it
+POLICY_SET_ELSEWHERE = {"memory": "--memory", "memory_kwargs": "the config's memory_kwargs", "amp_dtype": "amp",
+                        "channels_last": "channels_last"}
+
+
+def policy_keywords(algo: str, memory: str) -> set[str]:
+    """What ``policy_kwargs`` may hold for this algorithm and memory: the keywords of every policy class
+    :func:`rlseq.build.build_model` may pick (one per observation kind), less those other config keys set."""
+    if algo == "rlseq":
+        from rlseq.algos import MemoryPPO
+
+        classes = set(MemoryPPO.policy_aliases.values())
+    elif memory == "lstm":
+        from sb3_contrib import RecurrentPPO
+
+        classes = set(RecurrentPPO.policy_aliases.values())
+    else:
+        import rlseq.policies as P
+
+        named = {"efla": "Efla", "deltanet": "DeltaNet"}.get(memory, "Memory")
+        classes = {getattr(P, f"{named}{suffix}Policy") for suffix in ("Mlp", "Cnn", "MultiInput")}
+    return set().union(*map(_keywords, classes)) - set(POLICY_SET_ELSEWHERE)
+
+
+def env_keywords(env: str, family: str) -> set[str] | None:
+    """What ``env_kwargs`` may hold for ``env``: procgen's options, or the keywords of the gymnasium env's
+    constructor and ``gymnasium.make``'s own; None when the constructor takes any keyword (or cannot be read)."""
+    import inspect
+
+    if family == "procgen":
+        from rlseq.envs.procgen import _PASSTHROUGH_OPTIONS
+
+        return set(PROCGEN_OPTIONS) | set(_PASSTHROUGH_OPTIONS)
+    import gymnasium
+
+    try:
+        spec = gymnasium.spec(env)
+        creator = spec.entry_point
+        if isinstance(creator, str):
+            from gymnasium.envs.registration import load_env_creator
+
+            creator = load_env_creator(creator)
+        params = inspect.signature(creator).parameters.values()
+    except Exception:  # noqa: BLE001  (an entry point that cannot be inspected is checked when it is built)
+        return None
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return None
+    return ({p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)} | set(spec.kwargs)
+            | {"max_episode_steps", "disable_env_checker"})
+
+
+def kwargs_problems(cfg: dict[str, Any], origin: dict[str, str], algo: str, memory: str, env: str,
+                    family: str) -> list[str]:
+    """One message per key of ``memory_kwargs``, ``policy_kwargs`` and ``env_kwargs`` that the memory, the policy
+    or the env would refuse once built, i.e. after the run folder exists."""
+    problems = []
+    if isinstance(cfg.get("memory_kwargs"), dict):
+        problems += memory_kwargs_problems(cfg["memory_kwargs"], origin.get("memory_kwargs", "config"))
+    kinds = [("policy_kwargs", lambda: policy_keywords(algo, memory), f"the policy of --algo {algo}"),
+             ("env_kwargs", lambda: env_keywords(env, family), env)]
+    for key, keywords, whose in kinds:
+        given = cfg.get(key)
+        if not isinstance(given, dict) or not given:
+            continue
+        where = origin.get(key, "config")
+        valid = keywords()
+        for name in given:
+            if key == "policy_kwargs" and name in POLICY_SET_ELSEWHERE:
+                problems.append(f"policy_kwargs key {name!r} in {where} is set by {POLICY_SET_ELSEWHERE[name]}; "
+                                "remove it from policy_kwargs")
+            elif valid is not None and name not in valid and not (key == "env_kwargs" and name in PROCGEN_OPTIONS):
+                # procgen options of a gymnasium env get their own message below
+                problems.append(f"unknown {key} key {name!r} in {where}; {_did_you_mean(name, valid)}"
+                                f"valid keys of {whose}: {', '.join(sorted(valid))}")
+    return problems
+
+
 # what ppo_kwargs() and make_env() read without a default
 REQUIRED_KEYS = ("n_timesteps", "n_envs", "n_steps", "n_minibatches", "n_epochs", "checkpoint_every", "learning_rate",
                  "gamma", "gae_lambda", "ent_coef", "vf_coef", "clip_range", "max_grad_norm")
@@ -201,22 +348,33 @@ def read_yaml(path: Path, what: str = "config file") -> Any:
     place."""
     if not path.exists():
         raise UsageError(f"{what} {path} does not exist")
+    if path.is_dir():
+        raise UsageError(f"{what} {path} is a directory; give the YAML file in it")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return yaml.safe_load(f)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if "tag:yaml.org,2002:python/" in problem:  # safe_load builds no Python objects, whatever the tag asks
+            problem += " (!!python tags are not read: write plain values)"
         raise UsageError(f"{what} {path} is not valid YAML{where}: {problem}") from None
+    except UnicodeDecodeError as e:
+        raise UsageError(f"{what} {path} is not a UTF-8 text file (byte {e.start}: {e.reason}); give a YAML file") \
+            from None
+    except OSError as e:
+        raise UsageError(f"{what} {path} cannot be read ({e.strerror or e})") from None
 
 
 def load_config(path: Path, env: str, family: str = "procgen") -> dict[str, Any]:
     """The hyperparameters of ``env`` from an RL Zoo-style file (its own key, else the default entry named like
     its ``family``: ``procgen``, ``popgym`` or ``gym``)."""
-    table = read_yaml(path) or {}
+    table = read_yaml(path)
+    table = {} if table is None else table
     if not isinstance(table, dict):
-        raise UsageError(f"{path} must map env ids (or the default entry {family!r}) to hyperparameters")
+        raise UsageError(f"{path} holds the {type(table).__name__} {_short(table)}; it must map env ids (or the "
+                         f"default entry {family!r}) to hyperparameters, e.g. {family}: {{n_envs: 8}}")
     key = env if env in table else family if family in table else None
     if key is None:
         flat = [str(k) for k in table if k in CONFIG_KEYS]
@@ -226,9 +384,20 @@ def load_config(path: Path, env: str, family: str = "procgen") -> dict[str, Any]
         raise UsageError(f"{path} has no entry for {env!r} and no {family!r} default; "
                          f"entries: {', '.join(map(str, table)) or 'none'}{hint}")
     entry = table[key]
-    if entry is not None and not isinstance(entry, dict):
-        raise UsageError(f"the entry {key!r} of {path} must be a mapping of hyperparameters (key: value)")
-    return copy.deepcopy(entry or {})
+    if entry is None:
+        flat = [str(k) for k in table if k in CONFIG_KEYS]
+        hint = f" ({', '.join(flat)} {'are' if len(flat) > 1 else 'is'} outside it: indent under {key}:)" if flat else ""
+        raise UsageError(f"the entry {key!r} of {path} is empty (null){hint}; give it hyperparameters (key: value) "
+                         "or remove it")
+    if not isinstance(entry, dict):
+        raise UsageError(f"the entry {key!r} of {path} must be a mapping of hyperparameters (key: value), "
+                         f"not a {type(entry).__name__}")
+    return copy.deepcopy(entry)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def resolve(args: argparse.Namespace) -> dict[str, Any]:
@@ -271,6 +440,7 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         if value is not None:
             cfg[key], origin[key] = value, option
     problems += check_values(cfg, origin)
+    problems += kwargs_problems(cfg, origin, args.algo, args.memory, env, family)
     problems += [f"{key} is missing from {base} (entry of {env})" for key in REQUIRED_KEYS if key not in cfg]
     if problems:
         raise UsageError("\n".join(problems))
@@ -279,6 +449,15 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         for key in PROCGEN_OPTIONS:
             if getattr(args, key) is not None:
                 env_kwargs[key] = getattr(args, key)
+        for key in ("num_levels", "start_level", "num_threads"):  # procgen checks them only once the folder exists
+            if key in env_kwargs:
+                where = "--" + key.replace("_", "-") if getattr(args, key) is not None else origin.get("env_kwargs")
+                try:
+                    env_kwargs[key] = _whole(0)(env_kwargs[key])
+                except ValueError as e:
+                    raise UsageError(f"{key} {env_kwargs[key]!r} {e} ({where})") from None
+        if env_kwargs.get("num_levels", 0) + env_kwargs.get("start_level", 0) > 2**31 - 1:
+            raise UsageError("start_level + num_levels must be <= 2**31 - 1 (procgen's level seeds are C ints)")
         mode = env_kwargs.get("distribution_mode", "easy")
         if mode not in PROCGEN_DISTRIBUTION_MODES[env]:
             raise UsageError(f"distribution mode {mode!r} is not valid for {env}; valid: {', '.join(PROCGEN_DISTRIBUTION_MODES[env])}")

@@ -10,6 +10,9 @@ The result lists the level seed of every episode.
 Gymnasium envs: evaluation env ``i`` is seeded ``2**31 + seed + i`` (``seed`` is ``--seed``), while the training
 envs are seeded below 2**31 (``s + i`` for a run with seed ``s``, a seed below 2**30 after a resume): disjoint
 seeds, hence new episode draws. ``--start-level`` is procgen's only.
+
+The model played is ``final_model.zip``, else the newest intact checkpoint's; each newer file passed over (an
+unreadable ``final_model.zip``, a torn checkpoint) is a ``warning:`` line, and the result line names the model.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ import sys
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 #: Offset of the evaluation seeds of gymnasium envs from ``--seed`` (training seeds lie below it).
 EVAL_SEED_OFFSET = 2**31
@@ -44,16 +46,51 @@ def evaluation_levels(env_kwargs: dict, start_level: int | None) -> dict:
     return {"start_level": first, "num_levels": LEVEL_SEED_END - first, "held_out": True}
 
 
-def find_model(run_dir: Path) -> Path:
-    """``final_model.zip``, else the model of the newest intact checkpoint."""
-    from rlseq.checkpoint import resumable_checkpoint
+def find_model(run_dir: Path, notes: list[str] | None = None) -> Path:
+    """``final_model.zip``, else the model of the newest intact checkpoint. Why a newer file was passed over (an
+    unreadable ``final_model.zip``, a torn checkpoint) is appended to ``notes``, so that the caller can say which
+    model it played and why that one."""
+    from rlseq.checkpoint import _check_zip, resumable_checkpoint
 
-    if (run_dir / "final_model.zip").exists():
-        return run_dir / "final_model.zip"
-    latest = resumable_checkpoint(run_dir / "checkpoints")[0]
+    notes = [] if notes is None else notes
+    final = run_dir / "final_model.zip"
+    if final.exists():
+        try:
+            _check_zip(final)
+            return final
+        except Exception as e:  # noqa: BLE001  (a directory, a torn zip, another file: any is no model)
+            notes.append(f"{final} is not a readable model ({e.__class__.__name__}: {e})")
+    latest, skipped = resumable_checkpoint(run_dir / "checkpoints")
+    notes += skipped
     if latest is None:
-        raise FileNotFoundError(f"{run_dir} has neither final_model.zip nor a checkpoint")
+        raise FileNotFoundError(f"{run_dir} has neither a readable final_model.zip nor an intact checkpoint"
+                                + "".join(f"; {note}" for note in notes))
     return latest / "model.zip"
+
+
+# what make_env and the model's class read from a run's config.yaml without a default
+SAVED_KEYS = ("env", "algo")
+
+
+def read_run_config(run_dir: Path) -> dict:
+    """A run folder's ``config.yaml``, checked for what evaluation reads (a hand-edited or torn file is one
+    error line, not a traceback from deep inside the env)."""
+    from rlseq.config import read_yaml
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: RUN_DIR must be a run folder written by rlseq.train")
+    cfg = read_yaml(path, "run config")
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path} holds no mapping of settings but {type(cfg).__name__} {str(cfg)[:40]!r}; it is not "
+                         "a config.yaml written by rlseq.train")
+    missing = [key for key in SAVED_KEYS if not isinstance(cfg.get(key), str)]
+    if missing:
+        raise ValueError(f"{path} lacks {', '.join(missing)} (or they are not names); it is not a config.yaml "
+                         "written by rlseq.train")
+    if not isinstance(cfg.get("env_kwargs") or {}, dict):
+        raise ValueError(f"env_kwargs of {path} must be a mapping, not {cfg['env_kwargs']!r}")
+    return cfg
 
 
 def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: bool = False, seed: int = 12345,
@@ -61,17 +98,23 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
     """Play ``episodes`` episodes on held-out levels (procgen, see :func:`evaluation_levels`) or new env seeds
     (gymnasium envs, from ``EVAL_SEED_OFFSET + seed``); returns mean/std/min/max of the unscaled return, and
     ``start_level``, ``num_levels``, ``held_out`` and ``level_seeds`` (procgen) or ``first_seed`` (gymnasium), and
-    ``model``, the file played (relative to ``run_dir``: ``final_model.zip`` or a checkpoint's model)."""
+    ``model``, the file played (relative to ``run_dir``: ``final_model.zip`` or a checkpoint's model), and
+    ``skipped``, why newer models were passed over."""
     from tqdm.auto import tqdm
 
+    from rlseq.config import device_problems
     from rlseq.train import _algo_class, _family, make_env
 
     if episodes < 1:
         raise ValueError(f"--episodes must be >= 1, got {episodes}")
-    cfg_path = run_dir / "config.yaml"
-    if not cfg_path.exists():
-        raise FileNotFoundError(f"{cfg_path} not found: RUN_DIR must be a run folder written by rlseq.train")
-    cfg = yaml.safe_load(cfg_path.read_text())
+    if n_envs < 1:
+        raise ValueError(f"--n-envs must be >= 1, got {n_envs}")
+    problems = device_problems(device)  # what rlseq.train refuses: SB3 would fall back to the CPU without a word
+    if problems:
+        raise ValueError(problems[0])
+    cfg = read_run_config(run_dir)
+    skipped: list[str] = []
+    model_path = find_model(run_dir, skipped)  # before the env is built: a run without a model needs none
     env_kwargs = dict(cfg.get("env_kwargs") or {})
     if _family(cfg) == "procgen":
         where = evaluation_levels(env_kwargs, start_level)
@@ -82,7 +125,6 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
         seed += EVAL_SEED_OFFSET
         where = {"first_seed": seed}
     venv = make_env({**cfg, "env_kwargs": env_kwargs, "n_envs": n_envs}, seed=seed, training=False)
-    model_path = find_model(run_dir)
     model = _algo_class(cfg).load(model_path, device=device)
     obs = venv.reset()
     state, starts = None, np.ones(n_envs, dtype=bool)
@@ -105,7 +147,8 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
     venv.close()
     r = np.asarray(returns)
     return {"episodes": len(r), "mean": float(r.mean()), "std": float(r.std(ddof=1)) if len(r) > 1 else float("nan"),
-            "min": float(r.min()), "max": float(r.max()), "model": str(model_path.relative_to(run_dir)), **where,
+            "min": float(r.min()), "max": float(r.max()), "model": str(model_path.relative_to(run_dir)), "skipped": skipped,
+            **where,
             **({"level_seeds": levels} if levels else {})}
 
 
@@ -128,8 +171,11 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(2) from None
     spread = (f" ± {res['std']:.3f} (std over {res['episodes']} episodes; min {res['min']:.3f}, max {res['max']:.3f}; "
               if res["episodes"] > 1 else " (1 episode; ")
+    for note in res["skipped"]:
+        print(f"warning: {note}", file=sys.stderr)
+    why = "the newer models are unusable (see the warnings)" if res["skipped"] else "the run has no final_model.zip"
     model = "" if res["model"] == "final_model.zip" else \
-        f"; model {res['model']}: the run has no final_model.zip, this is its newest intact checkpoint"
+        f"; model {res['model']}: {why}, this is its newest intact checkpoint"
     print(f"{args.run_dir}: return {res['mean']:.3f}{spread}{_where(res)}{model})")
 
 

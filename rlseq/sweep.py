@@ -69,7 +69,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 
 GRID_KEYS = ("envs", "memories", "seeds", "conditions")
 SWEEP_KEYS = frozenset(GRID_KEYS + ("logdir", "flags", "runs_per_gpu", "description"))
@@ -144,11 +143,14 @@ def _flag_argv(flags: dict[str, Any], known: dict[str, argparse.Action]) -> list
 
 def load_sweep(path: str | Path) -> dict[str, Any]:
     """Read and check a sweep file (see the module docstring)."""
+    from rlseq.config import UsageError, read_yaml
+
     path = Path(path)
-    if not path.exists():
-        raise SweepError(f"sweep file {path} does not exist")
-    with open(path) as f:
-        spec = yaml.safe_load(f) or {}
+    try:
+        spec = read_yaml(path, "sweep file")
+    except UsageError as e:
+        raise SweepError(str(e)) from None
+    spec = {} if spec is None else spec
     if not isinstance(spec, dict):
         raise SweepError(f"{path}: expected a mapping with keys {', '.join(sorted(SWEEP_KEYS))}")
     unknown = set(spec) - SWEEP_KEYS
@@ -157,6 +159,9 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     for key in ("envs", "memories", "seeds"):
         if not isinstance(spec.get(key), list) or not spec[key]:
             raise SweepError(f"{path}: {key!r} must be a non-empty list")
+        if any(item is None or isinstance(item, (dict, list)) for item in spec[key]):
+            raise SweepError(f"{path}: {key!r} must list plain names or numbers, got {spec[key]!r} (an empty "
+                             "item is null)")
     conditions = spec.get("conditions") or {"default": {}}
     if not isinstance(conditions, dict) or not all(isinstance(v, dict) or v is None for v in conditions.values()):
         raise SweepError(f"{path}: 'conditions' must map a name to a mapping of train flags")
@@ -164,8 +169,9 @@ def load_sweep(path: str | Path) -> dict[str, Any]:
     spec["flags"] = spec.get("flags") or {}
     if not isinstance(spec["flags"], dict):
         raise SweepError(f"{path}: 'flags' must be a mapping of train flags")
-    if "runs_per_gpu" in spec and (not isinstance(spec["runs_per_gpu"], int) or spec["runs_per_gpu"] < 1):
-        raise SweepError(f"{path}: 'runs_per_gpu' must be an integer >= 1")
+    per_gpu = spec.get("runs_per_gpu", 1)
+    if isinstance(per_gpu, bool) or not isinstance(per_gpu, int) or per_gpu < 1:  # YAML reads yes/on as true
+        raise SweepError(f"{path}: 'runs_per_gpu' must be an integer >= 1, got {per_gpu!r}")
     spec.setdefault("logdir", "runs")
     spec["name"] = path.stem
     return spec
@@ -189,6 +195,9 @@ def expand(spec: dict[str, Any], only: dict[str, set[str]] | None = None, logdir
         if missing:
             raise SweepError(f"--only {key}={','.join(missing)}: not in the grid; valid {key} values: {', '.join(grid[key])}")
     logdir = str(logdir if logdir is not None else spec["logdir"])
+    blocked = next((p for p in (Path(logdir), *Path(logdir).parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:  # every trainer and the status file would fail on it
+        raise SweepError(f"logdir {logdir}: {blocked} is a file; give a folder (or a path that does not exist yet)")
     parser = build_parser()
     known = parser._option_string_actions
     runs = []

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import shlex
 import signal
 import sys
@@ -209,6 +210,10 @@ def train(args: argparse.Namespace) -> Path:
     if torch.device(device).type != "cuda" and cfg["cuda_graph_train"] is True:
         cfg["cuda_graph_train"] = False  # a config's true on the CPU: nothing to capture (auto stays auto for a GPU)
     folder = args.run_folder = run_dir(args.logdir, cfg)
+    blocked = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if blocked is not None:
+        raise UsageError(f"--logdir {args.logdir}: {blocked} is a file, so the run folder {folder} cannot be made; "
+                         "give a folder (or a path that does not exist yet)")
     if args.resume and not folder.is_dir():
         raise UsageError(f"--resume: there is no run folder {folder} (it follows from --logdir, --env, --memory, "
                          "--algo, --tag and --seed); check those, or drop --resume to start the run")
@@ -317,10 +322,14 @@ def _final_save(model, folder: Path, settings: dict[str, Any]) -> None:
     names the checkpoint that a resume continues from (the previous one, or this save's if it completed)."""
     from rlseq.checkpoint import resumable_checkpoint, save_checkpoint
 
+    tmp = folder / ".final_model.tmp.zip"
     try:
         save_checkpoint(model, folder / "checkpoints", settings=settings)
-        model.save(folder / ".final_model.tmp.zip")
-        (folder / ".final_model.tmp.zip").replace(folder / "final_model.zip")
+        model.save(tmp)
+        tmp.replace(folder / "final_model.zip")
+    except OSError:  # a full disk: the checkpoint just saved (or the previous one) is what a resume continues from
+        tmp.unlink(missing_ok=True)
+        raise
     except Stopped as e:
         kept = resumable_checkpoint(folder / "checkpoints")[0]
         e.where += f"; newest intact checkpoint: {kept.name if kept is not None else 'none'}"
@@ -341,8 +350,31 @@ def _stop_with_resume_hint(args: argparse.Namespace, checkpoints) -> None:
     raise SystemExit(128 + checkpoints.stopped_by)
 
 
+# errors of writing the run folder that the user can fix (space, permissions, a file where a folder goes): one line
+# instead of a traceback
+WRITE_ERRNOS = frozenset(getattr(errno, name) for name in ("ENOSPC", "EDQUOT", "EROFS", "EACCES", "EPERM", "ENOTDIR",
+                                                            "EEXIST", "EISDIR", "EFBIG") if hasattr(errno, name))
+
+
+def write_failure(args: argparse.Namespace, e: OSError) -> str:
+    """One line for a write into the run folder that failed: the path and the error, and what is left to continue
+    from: the newest intact checkpoint and the command that resumes it, or the command that starts the run."""
+    from rlseq.checkpoint import resumable_checkpoint
+
+    what = f"cannot write {e.filename}" if e.filename else "a write failed"
+    reason = f"{e.strerror or e} ({errno.errorcode.get(e.errno, e.errno)})"
+    folder = getattr(args, "run_folder", None)
+    if folder is None or not folder.is_dir():
+        again = shlex.join(["python", "-m", "rlseq.train", *getattr(args, "command_line", [])])
+        return f"{what}: {reason}; no run folder was made; fix it, then run: {again}"
+    kept = resumable_checkpoint(folder / "checkpoints")[0] if (folder / "checkpoints").is_dir() else None
+    left = f"the newest intact checkpoint is {kept}" if kept is not None else f"{folder} holds no checkpoint yet"
+    return f"{what}: {reason}; {left}; free space or fix permissions, then continue with: {resume_command(args)}"
+
+
 def main(argv: list[str] | None = None) -> None:
-    """The CLI. Exit status: 0 trained or finished already, 2 a usage error, 75 (:data:`BUSY_EXIT`) the run folder
+    """The CLI. Exit status: 0 trained or finished already, 1 a write into the run folder failed (full disk, no
+    permission: one line says what is left to resume), 2 a usage error, 75 (:data:`BUSY_EXIT`) the run folder
     is in use by another process, 128 + the signal number after SIGINT or SIGTERM (one line says what remains)."""
     from rlseq.checkpoint import RunFolderBusy
 
@@ -359,6 +391,11 @@ def main(argv: list[str] | None = None) -> None:
     except RunFolderBusy as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(BUSY_EXIT) from None
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        print(f"error: {write_failure(args, e)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     except Stopped as e:  # before learn (no checkpoint is written then), or a second signal in the final save
         folder = getattr(args, "run_folder", None)
         again = resume_command(args) if folder is not None and folder.is_dir() else \

@@ -435,6 +435,96 @@ def test_hyperparameters_outside_an_env_entry_are_refused_with_where_they_go(tmp
                      f"hyperparameter: put it under {ENV}: (this env) or popgym: (every popgym env)"]
 
 
+@pytest.mark.parametrize("content,message", [
+    (b"5\n", "holds the int 5; it must map env ids"),
+    (b"- popgym\n", "holds the list ['popgym']; it must map env ids"),
+    (b"popgym:\n  n_envs: [4\n", "is not valid YAML at line 3, column 1"),
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", "is not a UTF-8 text file"),
+    (b"popgym: !!python/object/apply:os.system ['echo hi']\n", "!!python tags are not read"),
+    (b"popgym:\nn_envs: 4\n", "the entry 'popgym' of {path} is empty (null) (n_envs is outside it: indent under popgym:)"),
+    (b"popgym: 3\n", "the entry 'popgym' of {path} must be a mapping of hyperparameters (key: value), not a int"),
+])
+def test_a_config_file_that_is_no_mapping_of_hyperparameters_is_one_error_line(content, message, tmp_path, capsys,
+                                                                               monkeypatch):
+    path = tmp_path / "c.yml"
+    path.write_bytes(content)
+    lines = _refused(["--env", ENV, "--config", str(path)], tmp_path, capsys, monkeypatch)
+    assert len(lines) == 1 and message.format(path=path) in lines[0] and str(path) in lines[0], lines
+
+
+def test_a_config_path_that_is_a_directory_is_one_error_line(tmp_path, capsys, monkeypatch):
+    lines = _refused(["--env", ENV, "--config", str(tmp_path)], tmp_path, capsys, monkeypatch)
+    assert lines == [f"error: config file {tmp_path} is a directory; give the YAML file in it"]
+
+
+@pytest.mark.parametrize("memory,memory_kwargs,message", [
+    ("efla", {"efla": {"n_head": 4}}, "unknown memory_kwargs key 'n_head' of efla in {path}; did you mean n_heads? "
+                                      "valid keys of efla: d_model, conv_size, residual, n_heads, head_dim,"),
+    ("efla", {"efla": {"head_dim": 0}}, "memory_kwargs efla head_dim 0 must be a whole number >= 1 ({path})"),
+    ("gru", {"gru": {"d_model": -8}}, "memory_kwargs gru d_model -8 must be a whole number >= 1 ({path})"),
+    ("gru", {"gru": {"hiden_size": 8}}, "did you mean hidden_size"),
+    ("lstm", {"lstm": {"proj_size": 4}}, "unknown memory_kwargs key 'proj_size' of lstm"),
+    ("lstm", {"lstm": {"recurrent_init": "xavier"}}, "recurrent_init 'xavier' is not valid; valid: uniform, orthogonal"),
+    ("efla", {"n_heads": 4}, "memory_kwargs key 'n_heads' in {path} is not a memory; memory_kwargs maps a memory "
+                             "(efla, deltanet, gru, lstm, none) to its keywords, e.g. {{efla: {{n_heads: 4}}}}"),
+    ("efla", {"eflaa": {}}, "memory_kwargs key 'eflaa' in {path} is not a memory; did you mean efla?"),
+    ("none", {"deltanet": {"n_head": 2}}, "of deltanet"),  # every memory's entry, not only the one trained
+])
+def test_a_bad_memory_keyword_is_one_error_line_before_the_run_folder_exists(memory, memory_kwargs, message, tmp_path,
+                                                                            capsys, monkeypatch):
+    path = _config(tmp_path, memory_kwargs=memory_kwargs)
+    lines = _refused(["--env", ENV, "--memory", memory, "--config", str(path)], tmp_path, capsys, monkeypatch)
+    assert len(lines) == 1 and message.format(path=path) in lines[0], lines
+
+
+def test_the_memory_keywords_are_those_the_constructors_take():
+    from rlseq.policies.memory import MEMORIES, make_memory, memory_keywords
+
+    for name in MEMORIES:
+        keywords = memory_keywords(name)
+        assert {"d_model", "conv_size", "residual"} <= set(keywords)
+        make_memory(name, 3, **{k: v for k, v in keywords.items() if k != "backend"})  # each one is accepted
+    assert {"dropout", "bias", "forget_bias"} <= set(memory_keywords("lstm")) and "proj_size" not in memory_keywords("lstm")
+
+
+@pytest.mark.parametrize("algo,memory,changes,message", [
+    ("rlseq", "none", {"policy_kwargs": {"net_arc": [64]}},
+     "unknown policy_kwargs key 'net_arc' in {path}; did you mean net_arch? valid keys of the policy of --algo rlseq:"),
+    ("sb3-recurrent-ppo", "lstm", {"policy_kwargs": {"lstm_hidden_sise": 64}}, "did you mean lstm_hidden_size?"),
+    ("rlseq", "none", {"policy_kwargs": {"memory": "gru"}}, "policy_kwargs key 'memory' in {path} is set by --memory"),
+    ("rlseq", "none", {"env_kwargs": {"kk": 2}},
+     f"unknown env_kwargs key 'kk' in {{path}}; did you mean k? valid keys of {ENV}: disable_env_checker, k,"),
+])
+def test_an_unknown_policy_or_env_keyword_is_one_error_line(algo, memory, changes, message, tmp_path, capsys,
+                                                           monkeypatch):
+    path = _config(tmp_path, **changes)
+    lines = _refused(["--env", ENV, "--algo", algo, "--memory", memory, "--config", str(path)], tmp_path, capsys,
+                     monkeypatch)
+    assert len(lines) == 1 and message.format(path=path) in lines[0], lines
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--num-levels", "-1"], "error: num_levels -1 must be a whole number >= 0 (--num-levels)"),
+    (["--num-threads", "-2"], "error: num_threads -2 must be a whole number >= 0 (--num-threads)"),
+    (["--num-levels", str(2**31 - 1), "--start-level", "1"],
+     "error: start_level + num_levels must be <= 2**31 - 1 (procgen's level seeds are C ints)"),
+])
+def test_a_procgen_level_range_out_of_bounds_is_one_error_line_before_the_run_folder_exists(argv, message, tmp_path,
+                                                                                            capsys, monkeypatch):
+    assert _refused(["--env", "caveflyer", *argv], tmp_path, capsys, monkeypatch) == [message]
+
+
+def test_known_memory_policy_and_env_keywords_pass(tmp_path):
+    from rlseq.train import build_parser, resolve
+
+    path = _config(tmp_path, memory_kwargs={"gru": {"hidden_size": "1e1", "dropout": 0.1, "recurrent_init": "orthogonal"},
+                                            "efla": {"head_dim": None, "backend": "torch"}},
+                   policy_kwargs={"net_arch": [8], "value_norm": False}, env_kwargs={"k": 2, "max_episode_steps": 50})
+    cfg = resolve(build_parser().parse_args(["--env", ENV, "--memory", "gru", "--config", str(path)]))
+    assert cfg["memory_kwargs"] == {"hidden_size": 10, "dropout": 0.1, "recurrent_init": "orthogonal"}
+    assert cfg["env_kwargs"] == {"k": 2, "max_episode_steps": 50}
+
+
 def test_numeric_strings_are_accepted_for_number_keys(tmp_path):
     from rlseq.train import build_parser, resolve
 
@@ -562,13 +652,22 @@ class _RandomAgent:
         return np.random.randint(0, 15, len(episode_start)), None
 
 
+def _fake_model(path: Path) -> None:
+    """A zip with the members of an SB3 model, which evaluate() takes for one (its loader is replaced)."""
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("data", "{}")
+        z.writestr("policy.pth", b"")
+
+
 def test_no_evaluation_level_is_a_training_level(tmp_path, capsys, monkeypatch):
     import rlseq.train as T
     from rlseq.evaluate import LEVEL_SEED_END, evaluate, main as evaluate_main
 
     run = tmp_path / "run"
     run.mkdir()
-    (run / "final_model.zip").write_bytes(b"")
+    _fake_model(run / "final_model.zip")
     # leaper: a random agent's episodes are short. The run trained on all level seeds but the last 1000, so that
     # levels drawn from the whole seed range (procgen's num_levels=0) would be training levels
     first = LEVEL_SEED_END - 1000
@@ -586,6 +685,72 @@ def test_no_evaluation_level_is_a_training_level(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         evaluate_main([str(run), "--episodes", "1", "--start-level", "8"])
     assert f"reaches into the training levels [7, {first})" in capsys.readouterr().err
+
+
+def _evaluate_refused(run: Path, extra: list[str], capsys, monkeypatch) -> str:
+    """The one error line of an evaluation refused before any env is built."""
+    import rlseq.train as T
+    from rlseq.evaluate import main as evaluate_main
+
+    monkeypatch.setattr(T, "make_env", lambda *a, **k: pytest.fail("an env was built before validation"))
+    with pytest.raises(SystemExit) as e:
+        evaluate_main([str(run), "--episodes", "1", *extra])
+    assert e.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in lines[0], lines
+    return lines[0]
+
+
+@pytest.mark.parametrize("config,message", [
+    (None, "config.yaml not found: RUN_DIR must be a run folder written by rlseq.train"),
+    (b"\x00\xff\xfe", "run config {path} is not a UTF-8 text file"),
+    (b"env: [popgym\n", "run config {path} is not valid YAML at line 2"),
+    (b"- 1\n", "{path} holds no mapping of settings but list '[1]'"),
+    (b"seed: 0\n", "{path} lacks env, algo (or they are not names)"),
+])
+def test_evaluate_of_a_missing_or_garbage_config_yaml_is_one_error_line(config, message, tmp_path, capsys,
+                                                                       monkeypatch):
+    run = tmp_path / "run"
+    run.mkdir()
+    _fake_model(run / "final_model.zip")
+    if config is not None:
+        (run / "config.yaml").write_bytes(config)
+    assert message.format(path=run / "config.yaml") in _evaluate_refused(run, [], capsys, monkeypatch)
+
+
+def test_evaluate_refuses_no_envs_and_a_cuda_device_this_host_lacks(interrupted, capsys, monkeypatch):
+    import torch
+
+    run = _folder(interrupted)
+    assert _evaluate_refused(run, ["--n-envs", "0"], capsys, monkeypatch) == "error: --n-envs must be >= 1, got 0"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _evaluate_refused(run, ["--device", "cuda"], capsys, monkeypatch) == \
+        "error: --device cuda: this host has no CUDA device (torch.cuda.is_available() is False); use --device cpu or auto"
+
+
+def test_evaluate_of_a_final_model_that_is_a_directory_and_no_checkpoint_is_one_error_line(interrupted, capsys,
+                                                                                           monkeypatch):
+    run = _folder(interrupted)
+    shutil.rmtree(run / "checkpoints")
+    (run / "final_model.zip").mkdir()
+    line = _evaluate_refused(run, [], capsys, monkeypatch)
+    assert line.startswith(f"error: {run} has neither a readable final_model.zip nor an intact checkpoint; "
+                           f"{run / 'final_model.zip'} is not a readable model (IsADirectoryError")
+
+
+def test_evaluate_names_the_model_it_played_and_the_newer_ones_it_passed_over(interrupted, capsys):
+    from rlseq.evaluate import main as evaluate_main
+
+    run = _folder(interrupted)
+    (run / "final_model.zip").mkdir()
+    (run / "checkpoints" / "step48" / "model.zip").write_bytes(b"torn")
+    evaluate_main([str(run), "--episodes", "1", "--n-envs", "1", "--device", "cpu"])
+    out, err = capsys.readouterr()
+    warnings = [line for line in err.splitlines() if line.startswith("warning: ")]  # the rest is the progress bar
+    assert len(warnings) == 3, err
+    assert f"{run / 'final_model.zip'} is not a readable model" in warnings[0]
+    assert "checkpoint step48 is not usable" in warnings[1] and "latest names 'step48'" in warnings[2]
+    assert "model checkpoints/step32/model.zip: the newer models are unusable (see the warnings)" in out
 
 
 # --- 9. leftovers of killed saves ----------------------------------------------------------------------------
@@ -617,3 +782,96 @@ def test_resume_of_a_missing_run_folder_is_refused(tmp_path, capsys):
     assert e.value.code == 2
     assert f"--resume: there is no run folder {_folder(tmp_path)}" in capsys.readouterr().err
     assert not tmp_path.joinpath(ENV).exists()
+
+
+# --- 11. a run folder that cannot be written -----------------------------------------------------------------
+
+
+def _one_error(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_naming_the_file_and_the_intact_checkpoint(tmp_path, capsys,
+                                                                                          monkeypatch):
+    import errno
+
+    import torch
+
+    real_save = torch.save
+
+    def full_at_step32(obj, f, *args, **kwargs):  # the disk fills while the second checkpoint is written
+        if ".step32.tmp" in str(f):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", full_at_step32)
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(tmp_path, 48))
+    assert e.value.code == 1
+    line = _one_error(capsys)
+    ckpt = _folder(tmp_path) / "checkpoints"
+    assert line.startswith(f"error: cannot write {ckpt}/.step32.tmp") and "No space left on device (ENOSPC)" in line
+    assert f"the newest intact checkpoint is {ckpt / 'step16'}" in line
+    assert line.endswith(shlex.join(["python", "-m", "rlseq.train", *_argv(tmp_path, 48), "--resume"]))
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step16"]  # the torn save took no space
+    monkeypatch.setattr(torch, "save", real_save)
+    _continue(line)
+    assert _steps(_folder(tmp_path) / "final_model.zip") == 48
+
+
+def test_a_full_disk_at_the_final_model_names_the_final_checkpoint_and_leaves_no_partial_zip(tmp_path, capsys,
+                                                                                             monkeypatch):
+    import errno
+
+    from rlseq.algos import MemoryPPO
+
+    real_save = MemoryPPO.save
+
+    def full_at_the_final_model(self, path, *args, **kwargs):
+        if str(path).endswith(".final_model.tmp.zip"):
+            Path(path).write_bytes(b"partial")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_save(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(MemoryPPO, "save", full_at_the_final_model)
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(tmp_path, 32))
+    assert e.value.code == 1
+    line = _one_error(capsys)
+    folder = _folder(tmp_path)
+    assert line.startswith(f"error: cannot write {folder / '.final_model.tmp.zip'}: No space left on device")
+    assert f"the newest intact checkpoint is {folder / 'checkpoints' / 'step32'}" in line
+    assert not (folder / ".final_model.tmp.zip").exists() and not (folder / "final_model.zip").exists()
+    monkeypatch.setattr(MemoryPPO, "save", real_save)
+    _continue(line)  # trains nothing: writes the final model of step 32
+    assert _steps(folder / "final_model.zip") == 32
+
+
+def test_a_read_only_checkpoints_folder_is_one_line_naming_the_intact_checkpoint(interrupted, capsys):
+    if os.geteuid() == 0:
+        pytest.skip("root writes into read-only folders")
+    ckpt = _folder(interrupted) / "checkpoints"
+    ckpt.chmod(0o555)
+    try:
+        with pytest.raises(SystemExit) as e:
+            train_main(_argv(interrupted, 64, "--resume"))
+    finally:
+        ckpt.chmod(0o755)
+    assert e.value.code == 1
+    line = _one_error(capsys)
+    assert f"cannot write {ckpt}" in line and "Permission denied" in line
+    assert f"the newest intact checkpoint is {ckpt / 'step48'}" in line and line.endswith("--resume")
+
+
+def test_a_logdir_that_is_a_file_is_one_error_line_and_the_file_is_kept(tmp_path, capsys):
+    logdir = tmp_path / "runs"
+    logdir.write_text("notes\n")
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(logdir, 16))
+    assert e.value.code == 2
+    assert _one_error(capsys) == (f"error: --logdir {logdir}: {logdir} is a file, so the run folder {_folder(logdir)} "
+                                  "cannot be made; give a folder (or a path that does not exist yet)")
+    assert logdir.read_text() == "notes\n"

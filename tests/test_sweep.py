@@ -134,6 +134,7 @@ def test_a_list_is_repeated_for_a_repeatable_flag_only():
         ({"flags": {"n_steps": [16, 32]}}, r"flag 'n_steps' takes one value, got the list \[16, 32\]; to train "
                                            "several values, make each one a condition"),
         ({"conditions": {"a": {"learning_rate": [1e-3]}}}, "flag 'learning_rate' takes one value"),
+        ({"runs_per_gpu": True}, "'runs_per_gpu' must be an integer >= 1, got True"),
     ],
 )
 def test_a_bad_sweep_file_fails_before_anything_runs(overrides, message, tmp_path, capsys, monkeypatch):
@@ -145,6 +146,36 @@ def test_a_bad_sweep_file_fails_before_anything_runs(overrides, message, tmp_pat
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("error: ") == 1
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("content,message", [
+    (b"envs: [caveflyer\nmemories: [efla]\n", "is not valid YAML at line 2"),
+    (b"\xff\xfe\x00e\x00n\x00v\x00", "is not a UTF-8 text file"),
+    (b"envs: !!python/object/apply:os.system ['true']\n", "!!python tags are not read"),
+    (b"envs: [caveflyer, null]\nmemories: [efla]\nseeds: [0]\n", "'envs' must list plain names or numbers"),
+    (b"envs: [caveflyer]\nmemories: [efla]\nseeds:\n  -\n", "'seeds' must list plain names or numbers"),
+    (b"envs: [caveflyer]\nmemories: [efla]\nseeds: [0]\nflags: {config: DIR}\n", "config file DIR is a directory"),
+])
+def test_a_sweep_file_that_is_not_a_grid_is_one_error_line(content, message, tmp_path, capsys):
+    path = tmp_path / "bad.yml"
+    path.write_bytes(content.replace(b"DIR", str(tmp_path).encode()))
+    assert S.main(_cpu(path, "--dry-run")) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message.replace("DIR", str(tmp_path)) in lines[0]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_logdir_that_is_a_file_is_one_error_line(tmp_path, capsys):
+    (tmp_path / "runs").write_text("notes\n")
+    assert S.main(_cpu(_sweep_file(tmp_path))) == 2
+    assert capsys.readouterr().err == (f"error: logdir {tmp_path / 'runs'}: {tmp_path / 'runs'} is a file; give a "
+                                       "folder (or a path that does not exist yet)\n")
+    assert (tmp_path / "runs").read_text() == "notes\n"
+
+
+def test_a_sweep_path_that_is_a_directory_is_one_error_line(tmp_path, capsys):
+    assert S.main([str(tmp_path), "--dry-run"]) == 2
+    assert capsys.readouterr().err == f"error: sweep file {tmp_path} is a directory; give the YAML file in it\n"
 
 
 def test_missing_sweep_file_and_bad_parallelism(tmp_path, capsys):

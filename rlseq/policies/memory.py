@@ -50,6 +50,7 @@ module never re-implements the recurrence.
 from __future__ import annotations
 
 import abc
+import inspect
 import math
 from typing import Any
 
@@ -722,6 +723,34 @@ def memory_class(name: str) -> type[Memory]:
     if key not in _REGISTRY:
         raise ValueError(f"unknown memory {name!r}; valid memories: {', '.join(MEMORIES)}")
     return _REGISTRY[key]
+
+
+# nn.GRU / nn.LSTM keywords that _RNNMemory sets itself or cannot carry (proj_size changes the shape of h, which
+# its state and output projection assume to be hidden_size), so memory_kwargs may not hold them
+_RNN_FIXED = ("mode", "input_size", "hidden_size", "num_layers", "batch_first", "bidirectional", "proj_size",
+              "device", "dtype")
+
+
+def memory_keywords(name: str) -> dict[str, Any]:
+    """The keywords ``memory_kwargs`` may hold for the memory ``name``, with their defaults.
+
+    Read off the constructors (a class's own keywords, then its parent's where it passes ``**kwargs`` on, and for
+    the RNN memories the ``nn.GRU`` / ``nn.LSTM`` keywords they forward), so that a config can be checked before
+    anything is built or written."""
+    found: dict[str, Any] = {}
+    for klass in memory_class(name).__mro__:
+        if "__init__" not in vars(klass):
+            continue
+        params = list(inspect.signature(vars(klass)["__init__"]).parameters.values())[2:]  # self, in_features
+        found.update({p.name: p.default for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
+                      and p.name not in found})
+        if not any(p.kind == p.VAR_KEYWORD for p in params):
+            break
+        if klass is _RNNMemory:
+            base = list(inspect.signature(nn.RNNBase.__init__).parameters.values())[1:]
+            found.update({p.name: p.default for p in base if p.name not in _RNN_FIXED and p.name not in found})
+            break
+    return found
 
 
 def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:
