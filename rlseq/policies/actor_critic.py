@@ -107,18 +107,42 @@ class ValueNormalizer(nn.Module):
     ``decay`` per call) and rescales the head's weight and bias so that every output ``μ + σ n`` stays exactly
     what it was ("preserving outputs precisely"). The value loss divided by ``σ²`` is the normalised head's loss.
 
-    ``σ`` never drops below ``min_std = 1``: returns whose spread is below 1 are not amplified (their value loss
-    is already small, and amplifying a near-constant return would inflate the head's weights), so on such tasks
-    the critic trains as in plain PPO, up to the tracked mean. Large reward scales and large value offsets
-    (rewards ×1e3, values +1e4) are what it is for.
+    ``σ`` is kept in ``[min_std, max_std]`` (PopArt's ``[1e-4, 1e6]``): returns of size 1e-3 get normalised targets
+    of size 1, as returns of size 1e3 do; the bounds only stop a constant target from dividing by zero and a
+    diverging one from overflowing. The first update sets the statistics to the first rollout's alone (debiasing),
+    from an untrained critic: its targets are λ-returns that bootstrap from that critic's own values, so their
+    spread is at least about that of its outputs, and preserving those outputs leaves the normalised head O(1).
+    As the critic learns a smaller scale, σ follows it over the ~``1 / (1 − decay)`` rollouts that the averages
+    remember, and the normalised errors stay O(1). What preservation cannot handle is a σ that collapses far below
+    the critic's errors, as when every target is the same number (every step terminal with one reward): σ then
+    sits at its floor and the head's weights grow by up to ``1 / min_std``.
+
+    The floor is also relative to the mean, ``σ ≥ rel_min_std · |μ|`` (default 1e-6): values, returns and rollout
+    values are float32, resolved to ~6e-8 of their size, so a σ below that scale would normalise rounding noise
+    (at μ = 1e6, σ ≥ 1: an ulp of 1e6 is 1/16 of it).
+
+    When ``optimizer`` is given to :meth:`update`, its Adam moments of the head's weight and bias are rescaled with
+    them: the rescale multiplies those parameters' future gradients by ``s = σ_old / σ_new``, so ``exp_avg`` is
+    multiplied by ``s`` and ``exp_avg_sq`` (and AMSGrad's ``max_exp_avg_sq``) by ``s²``. Adam's next step of the
+    head, in normalised units, is then the one it would have taken had the statistics not moved (up to ``eps``).
+    Without it, after σ grows ×1000 the head's gradients are 1000× smaller than ``exp_avg_sq`` remembers, and its
+    steps stay that much smaller until the average forgets (~ln(10⁶) / (1 − β₂) steps); after σ shrinks, the steps
+    grow until it catches up. Other optimizers' state is left as it is.
 
     Buffers (saved with the model): ``mean``, ``std`` and the raw moments with their update count.
     """
 
-    def __init__(self, head: nn.Linear, decay: float = 0.9, min_std: float = 1.0) -> None:
+    #: Adam's (and AdamW's) per-parameter state, by the power of the gradient scale each holds
+    MOMENT_POWERS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
+
+    def __init__(self, head: nn.Linear, decay: float = 0.9, min_std: float = 1e-4, max_std: float = 1e6,
+                 rel_min_std: float = 1e-6) -> None:
         super().__init__()
+        if not 0 < min_std <= max_std or rel_min_std < 0:
+            raise ValueError(f"need 0 < min_std <= max_std and rel_min_std >= 0, got {min_std}, {max_std}, {rel_min_std}")
         self.head = [head]  # a list: not a submodule (the policy owns the head and its parameters)
-        self.decay, self.min_std = float(decay), float(min_std)
+        self.decay, self.min_std, self.max_std = float(decay), float(min_std), float(max_std)
+        self.rel_min_std = float(rel_min_std)
         self.register_buffer("mean", torch.zeros(()))
         self.register_buffer("std", torch.ones(()))
         self.register_buffer("moments", torch.zeros(2, dtype=torch.float64))  # E[R], E[R²], not yet debiased
@@ -128,9 +152,10 @@ class ValueNormalizer(nn.Module):
         return normalized * self.std + self.mean
 
     @torch.no_grad()
-    def update(self, returns: torch.Tensor) -> None:
+    def update(self, returns: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Fold the value targets ``returns`` (any shape) into the statistics and rescale the head in place (the
-        parameters keep their addresses, as a captured CUDA graph needs)."""
+        parameters keep their addresses, as a captured CUDA graph needs), and ``optimizer``'s Adam moments of the
+        head with it (also in place, no host sync: a captured Adam step reads them where they are)."""
         r = returns.detach().double().flatten()
         # non-finite targets are left out (no host sync): the PPO loss reports where they are, with the statistics
         # of the good ones intact
@@ -141,10 +166,19 @@ class ValueNormalizer(nn.Module):
         self.count.add_(1)
         m1, m2 = self.moments / (1 - self.decay ** self.count)
         new_mean = m1.float()
-        new_std = (m2 - m1 * m1).clamp_min(0).sqrt().clamp_min(self.min_std).float()
+        floor = (self.rel_min_std * m1.abs()).clamp_min(self.min_std)
+        new_std = torch.minimum(torch.maximum((m2 - m1 * m1).clamp_min(0).sqrt(), floor), floor.new_tensor(self.max_std))
+        new_std = new_std.float()
+        scale = self.std / new_std
         head = self.head[0]
-        head.weight.mul_(self.std / new_std)
+        head.weight.mul_(scale)
         head.bias.mul_(self.std).add_(self.mean - new_mean).div_(new_std)
+        if optimizer is not None:
+            for param in (head.weight, head.bias):
+                state = optimizer.state.get(param, {})  # empty before the optimizer's first step
+                for key, power in self.MOMENT_POWERS.items():
+                    if isinstance(state.get(key), torch.Tensor):
+                        state[key].mul_(scale.to(state[key].dtype) ** power)
         self.mean.copy_(new_mean)
         self.std.copy_(new_std)
 
