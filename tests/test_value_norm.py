@@ -23,6 +23,7 @@ def test_update_preserves_every_output_and_tracks_the_returns(scale, shift):
     norm = ValueNormalizer(head)
     latent = torch.randn(64, 8)
     g = torch.Generator().manual_seed(1)
+    norm.update(shift + scale * torch.randn(4096, generator=g))  # the first: sets the statistics only
     for _ in range(5):
         before = norm.denormalize(head(latent)).detach().double()
         returns = shift + scale * torch.randn(4096, generator=g)
@@ -32,6 +33,19 @@ def test_update_preserves_every_output_and_tracks_the_returns(scale, shift):
     # debiased averages of the moments: the statistics of the returns, small ones included
     assert math.isclose(float(norm.mean), shift, abs_tol=0.1 * scale)
     assert math.isclose(float(norm.std), scale, rel_tol=0.1)
+
+
+def test_the_first_update_sets_the_statistics_and_leaves_the_head_as_it_is():
+    """An untrained head's outputs mean nothing: the first update takes them as normalised, so a zeroed head (as
+    the policy makes it) predicts the first rollout's mean."""
+    head = _head()
+    norm = ValueNormalizer(head)
+    w, b = head.weight.detach().clone(), head.bias.detach().clone()
+    norm.update(1e4 + 30 * torch.randn(1000, generator=torch.Generator().manual_seed(7)))
+    assert torch.equal(head.weight, w) and torch.equal(head.bias, b)
+    assert float(norm.mean) == pytest.approx(1e4, rel=1e-2) and float(norm.std) == pytest.approx(30, rel=0.1)
+    nn.init.zeros_(head.weight), nn.init.zeros_(head.bias)
+    torch.testing.assert_close(norm.denormalize(head(torch.randn(4, 8))).detach(), norm.mean.expand(4, 1))
 
 
 def test_small_returns_get_normalised_targets_of_size_one():
@@ -52,10 +66,13 @@ def test_a_constant_return_puts_std_at_its_floor(value, bound):
     head = _head()
     norm = ValueNormalizer(head)
     latent = torch.randn(16, 8)
-    before = head(latent).detach()
+    norm.update(torch.full((100,), value))  # the first update: statistics only
+    assert float(norm.std) == pytest.approx(bound, rel=1e-6) and float(norm.mean) == pytest.approx(value, rel=1e-6)
+    norm.std.fill_(1.0)  # as if σ had been 1: the next update takes it to the floor
+    before = norm.denormalize(head(latent)).detach()
     w = head.weight.detach().clone()
     norm.update(torch.full((100,), value))
-    assert float(norm.std) == pytest.approx(bound, rel=1e-6) and float(norm.mean) == pytest.approx(value, rel=1e-6)
+    assert float(norm.std) == pytest.approx(bound, rel=1e-6)
     torch.testing.assert_close(head.weight.detach(), w / bound, rtol=1e-6, atol=0)  # σ from 1 to the floor
     # outputs preserved up to float32's rounding of values of size |value|
     ulp = float(np.spacing(np.float32(abs(value))))
@@ -291,3 +308,25 @@ def test_gae_is_exact_at_a_value_shift_of_1e6():
     torch.testing.assert_close(buf.advantages.double(), adv_ref, rtol=0, atol=1e-6)
     # returns of size 1e6 in float32: one rounding of the float64 ones (half an ulp, 0.03)
     torch.testing.assert_close(buf.returns, ret_ref.float(), rtol=0, atol=0)
+
+
+def test_rewards_of_size_1e_3_give_the_critic_targets_of_size_one():
+    """CartPole with rewards ×1e-3 (returns ~0.01): from the first update on, the normalised targets (R − μ)/σ have
+    a spread of ~1 (σ floored at 1 left it at ~0.005; a head not zeroed at the start, whose random outputs set the
+    first statistics, at ~0.1 after 4 updates)."""
+    import gymnasium as gym
+
+    from rlseq.algos import MemoryPPO
+
+    env = gym.wrappers.TransformReward(gym.make("CartPole-v1"), lambda r: 1e-3 * r)
+    model = MemoryPPO("MlpPolicy", env, n_steps=128, n_epochs=2, seed=0, policy_kwargs=dict(memory="gru"))
+    policy = model.policy
+    assert not policy.value_net.weight.any() and not policy.value_net.bias.any()  # the critic starts at 0
+    spreads = []
+    for k in range(4):
+        model.learn(128, reset_num_timesteps=k == 0)
+        norm, returns = policy.value_normalizer, model.rollout_buffer.returns
+        spreads.append(float(((returns - norm.mean) / norm.std).std()))
+    assert float(norm.std) < 0.02
+    assert all(0.5 < s < 2 for s in spreads), spreads
+    env.close()

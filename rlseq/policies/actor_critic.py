@@ -104,18 +104,21 @@ class ValueNormalizer(nn.Module):
 
     The head predicts a normalised value ``n``; the value is ``μ + σ n``. :meth:`update` moves ``μ`` and ``σ``
     towards the statistics of new returns (exponential moving averages of the first and second moments, debiased,
-    ``decay`` per call) and rescales the head's weight and bias so that every output ``μ + σ n`` stays exactly
-    what it was ("preserving outputs precisely"). The value loss divided by ``σ²`` is the normalised head's loss.
+    ``decay`` per call) and, from the second call on, rescales the head's weight and bias so that every output
+    ``μ + σ n`` stays exactly what it was ("preserving outputs precisely"). The value loss divided by ``σ²`` is the
+    normalised head's loss.
 
     ``σ`` is kept in ``[min_std, max_std]`` (PopArt's ``[1e-4, 1e6]``): returns of size 1e-3 get normalised targets
     of size 1, as returns of size 1e3 do; the bounds only stop a constant target from dividing by zero and a
-    diverging one from overflowing. The first update sets the statistics to the first rollout's alone (debiasing),
-    from an untrained critic: its targets are λ-returns that bootstrap from that critic's own values, so their
-    spread is at least about that of its outputs, and preserving those outputs leaves the normalised head O(1).
-    As the critic learns a smaller scale, σ follows it over the ~``1 / (1 − decay)`` rollouts that the averages
-    remember, and the normalised errors stay O(1). What preservation cannot handle is a σ that collapses far below
-    the critic's errors, as when every target is the same number (every step terminal with one reward): σ then
-    sits at its floor and the head's weights grow by up to ``1 / min_std``.
+    diverging one from overflowing. What makes the first statistics trustworthy is the head's start, not the
+    bounds: :class:`MemoryPPOPolicy` zeroes the head when it normalises, so the first rollout's targets are
+    discounted rewards (bootstrapped from values of 0), not the outputs of a random critic, whose spread would set
+    σ (at 0.5 for rewards of size 1e-3 on CartPole, and still 0.25 eight rollouts later: the averages remember
+    for ~``1 / (1 − decay)`` rollouts). The first update (debiased: the first rollout's statistics as they are)
+    does not rescale the head: its outputs are those of an untrained head, and ``n`` staying as initialised means
+    the values start at the first rollout's mean (from 0 at any value offset). Targets that are all one number
+    (every step terminal, one reward) put σ at its floor; a head that has learned their outputs then grows by up
+    to ``1 / min_std``.
 
     The floor is also relative to the mean, ``σ ≥ rel_min_std · |μ|`` (default 1e-6): values, returns and rollout
     values are float32, resolved to ~6e-8 of their size, so a σ below that scale would normalise rounding noise
@@ -153,9 +156,10 @@ class ValueNormalizer(nn.Module):
 
     @torch.no_grad()
     def update(self, returns: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Fold the value targets ``returns`` (any shape) into the statistics and rescale the head in place (the
-        parameters keep their addresses, as a captured CUDA graph needs), and ``optimizer``'s Adam moments of the
-        head with it (also in place, no host sync: a captured Adam step reads them where they are)."""
+        """Fold the value targets ``returns`` (any shape) into the statistics and, unless this is the first call,
+        rescale the head in place (the parameters keep their addresses, as a captured CUDA graph needs), and
+        ``optimizer``'s Adam moments of the head with it (also in place, no host sync: a captured Adam step reads
+        them where they are)."""
         r = returns.detach().double().flatten()
         # non-finite targets are left out (no host sync): the PPO loss reports where they are, with the statistics
         # of the good ones intact
@@ -163,16 +167,19 @@ class ValueNormalizer(nn.Module):
         r = torch.where(finite, r, 0.0)
         n = finite.sum().clamp_min(1)
         self.moments.mul_(self.decay).add_((1 - self.decay) * torch.stack([r.sum() / n, r.square().sum() / n]))
+        first = self.count == 0
         self.count.add_(1)
         m1, m2 = self.moments / (1 - self.decay ** self.count)
         new_mean = m1.float()
         floor = (self.rel_min_std * m1.abs()).clamp_min(self.min_std)
         new_std = torch.minimum(torch.maximum((m2 - m1 * m1).clamp_min(0).sqrt(), floor), floor.new_tensor(self.max_std))
         new_std = new_std.float()
-        scale = self.std / new_std
+        # a where, not an if: no host sync
+        scale = torch.where(first, 1.0, self.std / new_std)
+        shift = torch.where(first, 0.0, (self.mean - new_mean) / new_std)
         head = self.head[0]
         head.weight.mul_(scale)
-        head.bias.mul_(self.std).add_(self.mean - new_mean).div_(new_std)
+        head.bias.mul_(scale).add_(shift)
         if optimizer is not None:
             for param in (head.weight, head.bias):
                 state = optimizer.state.get(param, {})  # empty before the optimizer's first step
@@ -212,7 +219,8 @@ class MemoryPPOPolicy(BasePolicy):
     :param value_norm: normalise the value head's targets by running statistics of the returns, preserving its
         outputs (PopArt, van Hasselt et al. 2016; Hessel et al. 2019): see :class:`ValueNormalizer`. On by
         default: it keeps the value loss (and so its share of the clipped gradient) O(1) whatever the reward and
-        value scales, which an unnormalised critic under a 0.5 gradient clip does not survive.
+        value scales, which an unnormalised critic under a 0.5 gradient clip does not survive. The value head then
+        starts at zero (values of 0 until the first update sets them to the first rollout's mean return).
     :param optimizer_kwargs: SB3's; ``None`` means ``{"eps": 1e-5}`` for Adam. Fused Adam is
         ``optimizer_kwargs=dict(eps=1e-5, fused=True)`` (give ``eps`` too: explicit kwargs replace the default).
 
@@ -275,7 +283,13 @@ class MemoryPPOPolicy(BasePolicy):
             for module, gain in ((self.trunk, np.sqrt(2)), (self.action_net, 0.01), (self.value_net, 1.0)):
                 module.apply(partial(self.init_weights, gain=gain))
         self.value_norm = bool(value_norm)
-        self.value_normalizer = ValueNormalizer(self.value_net) if self.value_norm else None
+        self.value_normalizer = None
+        if self.value_norm:
+            # values of 0 until the first update sets them to the first rollout's mean: the first statistics are
+            # then those of the rewards, not of a random critic's outputs (see ValueNormalizer)
+            nn.init.zeros_(self.value_net.weight)
+            nn.init.zeros_(self.value_net.bias)
+            self.value_normalizer = ValueNormalizer(self.value_net)
         self.optimizer = self.optimizer_class(self.parameters(), lr=lr_schedule(1), **self.optimizer_kwargs)
 
     def _get_constructor_parameters(self) -> dict[str, Any]:
