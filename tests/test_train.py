@@ -155,6 +155,7 @@ def test_a_critic_memory_is_trained_by_the_value_loss_alone_and_survives_save_lo
     policy = model.policy
     actor_n = policy.memory.actor.state_shape[0]
     assert policy.initial_state(2).shape == (2, actor_n + policy.memory.critic.state_shape[0])
+    torch.nn.init.normal_(policy.value_net.weight)  # the value head starts at zero, where no gradient passes it
     obs = torch.randn(2, 5, 4)
     resets = torch.zeros(2, 5, dtype=torch.bool)
     resets[:, 0] = True
@@ -387,6 +388,9 @@ def test_truncated_episodes_are_bootstrapped_with_the_memory_of_the_ending_episo
     model = MemoryPPO("MlpPolicy", env, n_steps=12, n_minibatches=1, seed=0, device="cpu", gamma=0.9,
                       policy_kwargs=dict(memory="efla", memory_kwargs=MEMORY_KWARGS["efla"]))
     model.set_logger(configure(None, []))
+    with torch.no_grad():  # a critic that reads the memory (a fresh one is zero): the bootstrap has a value to add
+        torch.nn.init.orthogonal_(model.policy.value_net.weight)
+        model.policy.value_net.bias.fill_(0.5)
     model._setup_learn(100)
     seen = []
     real = model._bootstrap_truncated

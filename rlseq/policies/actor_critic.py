@@ -104,21 +104,48 @@ class ValueNormalizer(nn.Module):
 
     The head predicts a normalised value ``n``; the value is ``μ + σ n``. :meth:`update` moves ``μ`` and ``σ``
     towards the statistics of new returns (exponential moving averages of the first and second moments, debiased,
-    ``decay`` per call) and rescales the head's weight and bias so that every output ``μ + σ n`` stays exactly
-    what it was ("preserving outputs precisely"). The value loss divided by ``σ²`` is the normalised head's loss.
+    ``decay`` per call) and, from the second call on, rescales the head's weight and bias so that every output
+    ``μ + σ n`` stays exactly what it was ("preserving outputs precisely"). The value loss divided by ``σ²`` is the
+    normalised head's loss.
 
-    ``σ`` never drops below ``min_std = 1``: returns whose spread is below 1 are not amplified (their value loss
-    is already small, and amplifying a near-constant return would inflate the head's weights), so on such tasks
-    the critic trains as in plain PPO, up to the tracked mean. Large reward scales and large value offsets
-    (rewards ×1e3, values +1e4) are what it is for.
+    ``σ`` is kept in ``[min_std, max_std]`` (PopArt's ``[1e-4, 1e6]``): returns of size 1e-3 get normalised targets
+    of size 1, as returns of size 1e3 do; the bounds only stop a constant target from dividing by zero and a
+    diverging one from overflowing. What makes the first statistics trustworthy is the head's start, not the
+    bounds: :class:`MemoryPPOPolicy` zeroes the head when it normalises, so the first rollout's targets are
+    discounted rewards (bootstrapped from values of 0), not the outputs of a random critic, whose spread would set
+    σ (at 0.5 for rewards of size 1e-3 on CartPole, and still 0.25 eight rollouts later: the averages remember
+    for ~``1 / (1 − decay)`` rollouts). The first update (debiased: the first rollout's statistics as they are)
+    does not rescale the head: its outputs are those of an untrained head, and ``n`` staying as initialised means
+    the values start at the first rollout's mean (from 0 at any value offset). Targets that are all one number
+    (every step terminal, one reward) put σ at its floor; a head that has learned their outputs then grows by up
+    to ``1 / min_std``.
+
+    The floor is also relative to the mean, ``σ ≥ rel_min_std · |μ|`` (default 1e-6): values, returns and rollout
+    values are float32, resolved to ~6e-8 of their size, so a σ below that scale would normalise rounding noise
+    (at μ = 1e6, σ ≥ 1: an ulp of 1e6 is 1/16 of it).
+
+    When ``optimizer`` is given to :meth:`update`, its Adam moments of the head's weight and bias are rescaled with
+    them: the rescale multiplies those parameters' future gradients by ``s = σ_old / σ_new``, so ``exp_avg`` is
+    multiplied by ``s`` and ``exp_avg_sq`` (and AMSGrad's ``max_exp_avg_sq``) by ``s²``. Adam's next step of the
+    head, in normalised units, is then the one it would have taken had the statistics not moved (up to ``eps``).
+    Without it, after σ grows ×1000 the head's gradients are 1000× smaller than ``exp_avg_sq`` remembers, and its
+    steps stay that much smaller until the average forgets (~ln(10⁶) / (1 − β₂) steps); after σ shrinks, the steps
+    grow until it catches up. Other optimizers' state is left as it is.
 
     Buffers (saved with the model): ``mean``, ``std`` and the raw moments with their update count.
     """
 
-    def __init__(self, head: nn.Linear, decay: float = 0.9, min_std: float = 1.0) -> None:
+    #: Adam's (and AdamW's) per-parameter state, by the power of the gradient scale each holds
+    MOMENT_POWERS = {"exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 2}
+
+    def __init__(self, head: nn.Linear, decay: float = 0.9, min_std: float = 1e-4, max_std: float = 1e6,
+                 rel_min_std: float = 1e-6) -> None:
         super().__init__()
+        if not 0 < min_std <= max_std or rel_min_std < 0:
+            raise ValueError(f"need 0 < min_std <= max_std and rel_min_std >= 0, got {min_std}, {max_std}, {rel_min_std}")
         self.head = [head]  # a list: not a submodule (the policy owns the head and its parameters)
-        self.decay, self.min_std = float(decay), float(min_std)
+        self.decay, self.min_std, self.max_std = float(decay), float(min_std), float(max_std)
+        self.rel_min_std = float(rel_min_std)
         self.register_buffer("mean", torch.zeros(()))
         self.register_buffer("std", torch.ones(()))
         self.register_buffer("moments", torch.zeros(2, dtype=torch.float64))  # E[R], E[R²], not yet debiased
@@ -128,9 +155,11 @@ class ValueNormalizer(nn.Module):
         return normalized * self.std + self.mean
 
     @torch.no_grad()
-    def update(self, returns: torch.Tensor) -> None:
-        """Fold the value targets ``returns`` (any shape) into the statistics and rescale the head in place (the
-        parameters keep their addresses, as a captured CUDA graph needs)."""
+    def update(self, returns: torch.Tensor, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Fold the value targets ``returns`` (any shape) into the statistics and, unless this is the first call,
+        rescale the head in place (the parameters keep their addresses, as a captured CUDA graph needs), and
+        ``optimizer``'s Adam moments of the head with it (also in place, no host sync: a captured Adam step reads
+        them where they are)."""
         r = returns.detach().double().flatten()
         # non-finite targets are left out (no host sync): the PPO loss reports where they are, with the statistics
         # of the good ones intact
@@ -138,13 +167,25 @@ class ValueNormalizer(nn.Module):
         r = torch.where(finite, r, 0.0)
         n = finite.sum().clamp_min(1)
         self.moments.mul_(self.decay).add_((1 - self.decay) * torch.stack([r.sum() / n, r.square().sum() / n]))
+        first = self.count == 0
         self.count.add_(1)
         m1, m2 = self.moments / (1 - self.decay ** self.count)
         new_mean = m1.float()
-        new_std = (m2 - m1 * m1).clamp_min(0).sqrt().clamp_min(self.min_std).float()
+        floor = (self.rel_min_std * m1.abs()).clamp_min(self.min_std)
+        new_std = torch.minimum(torch.maximum((m2 - m1 * m1).clamp_min(0).sqrt(), floor), floor.new_tensor(self.max_std))
+        new_std = new_std.float()
+        # a where, not an if: no host sync
+        scale = torch.where(first, 1.0, self.std / new_std)
+        shift = torch.where(first, 0.0, (self.mean - new_mean) / new_std)
         head = self.head[0]
-        head.weight.mul_(self.std / new_std)
-        head.bias.mul_(self.std).add_(self.mean - new_mean).div_(new_std)
+        head.weight.mul_(scale)
+        head.bias.mul_(scale).add_(shift)
+        if optimizer is not None:
+            for param in (head.weight, head.bias):
+                state = optimizer.state.get(param, {})  # empty before the optimizer's first step
+                for key, power in self.MOMENT_POWERS.items():
+                    if isinstance(state.get(key), torch.Tensor):
+                        state[key].mul_(scale.to(state[key].dtype) ** power)
         self.mean.copy_(new_mean)
         self.std.copy_(new_std)
 
@@ -178,7 +219,8 @@ class MemoryPPOPolicy(BasePolicy):
     :param value_norm: normalise the value head's targets by running statistics of the returns, preserving its
         outputs (PopArt, van Hasselt et al. 2016; Hessel et al. 2019): see :class:`ValueNormalizer`. On by
         default: it keeps the value loss (and so its share of the clipped gradient) O(1) whatever the reward and
-        value scales, which an unnormalised critic under a 0.5 gradient clip does not survive.
+        value scales, which an unnormalised critic under a 0.5 gradient clip does not survive. The value head then
+        starts at zero (values of 0 until the first update sets them to the first rollout's mean return).
     :param critic_memory: give the critic a memory of its own, of the same kind and arguments, and a trunk of its own
         (sb3-contrib's ``enable_critic_lstm``; :class:`~rlseq.policies.memory.ActorCriticMemory`): the value loss
         then no longer trains the actor's memory. Off by default: the actor and the critic share the memory and the
@@ -255,7 +297,13 @@ class MemoryPPOPolicy(BasePolicy):
                 if module is not None:
                     module.apply(partial(self.init_weights, gain=gain))
         self.value_norm = bool(value_norm)
-        self.value_normalizer = ValueNormalizer(self.value_net) if self.value_norm else None
+        self.value_normalizer = None
+        if self.value_norm:
+            # values of 0 until the first update sets them to the first rollout's mean: the first statistics are
+            # then those of the rewards, not of a random critic's outputs (see ValueNormalizer)
+            nn.init.zeros_(self.value_net.weight)
+            nn.init.zeros_(self.value_net.bias)
+            self.value_normalizer = ValueNormalizer(self.value_net)
         self.optimizer = self.optimizer_class(self.parameters(), lr=lr_schedule(1), **self.optimizer_kwargs)
 
     def _get_constructor_parameters(self) -> dict[str, Any]:
