@@ -64,6 +64,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -317,6 +318,17 @@ def _trainer_preexec(parent_pid: int) -> None:
         _stop_with_parent(parent_pid)
 
 
+def _cancellable() -> None:
+    """Let ``ray.cancel`` reach this task. Ray cancels a running task by interrupting its thread as a SIGINT would
+    (``_thread.interrupt_main``), which Python drops unless SIGINT has a Python handler; a sweep started with ``&``
+    from a script has SIGINT ignored, and so have the Ray workers it starts (an ignored signal stays ignored across
+    fork and exec). Without this the trainer is never told to stop: on SIGINT it trains to its end, on SIGTERM
+    until the grace period ends and its task is killed, without its stop checkpoint."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL)):
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def _train_once(argv: list[str], env: dict[str, str], cwd: str | None, folder: Path,
                 poll_s: float = 1.0) -> tuple[int, bool]:
     """One trainer process, its output appended to ``folder/train.log``; returns ``(returncode, stopped)``.
@@ -373,6 +385,7 @@ def train_run(spec: dict[str, Any], board: Any) -> dict[str, Any]:
     info: dict[str, Any] = {"node": ray.util.get_node_ip_address(), "gpu": ",".join(gpus) or None,
                             "started": time.time()}
     started, rc, state, tail = info["started"], None, "failed", []
+    _cancellable()
     try:
         with folder_lock(folder, SWEEP_LOCK_NAME) as holder:
             if holder is not None:  # another sweep on the same tree has it

@@ -306,6 +306,39 @@ def test_a_stopped_sweep_resumes_its_run_from_the_last_checkpoint(tmp_path, caps
     assert MemoryPPO.load(run / "final_model.zip", device="cpu").num_timesteps == total
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_sweep_started_in_the_background_stops_its_trainer_on_a_signal(tmp_path, sig):
+    """``python -m rlseq.sweep ... &`` in a script: the shell starts it with SIGINT ignored, which Ray's workers
+    inherit, and Ray's cancel (an interrupt of the task's thread) does nothing where SIGINT is ignored. The
+    trainer must still get its SIGTERM, checkpoint and exit 128 + SIGTERM, on either signal to the sweep."""
+    path = _sweep_file(tmp_path, flags={"total_steps": 100_000, "checkpoint_every": 32, **TINY})
+    run = tmp_path / "runs" / "caveflyer" / "efla-tiny" / "seed0"
+    latest = run / "checkpoints" / "latest"
+    sweep = subprocess.Popen([sys.executable, "-m", "rlseq.sweep", *_cpu(path)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, env=dict(os.environ),
+                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `&` does
+    try:
+        deadline = time.time() + 180
+        while time.time() < deadline and sweep.poll() is None and not latest.exists():
+            time.sleep(0.05)
+        assert sweep.poll() is None, f"the sweep ended before it could be stopped: {sweep.stdout.read().decode()[-3000:]}"
+        if not latest.exists():
+            sweep.kill()
+            pytest.fail(f"no checkpoint within 180 s: {sweep.communicate()[0].decode()[-3000:]}")
+        sweep.send_signal(sig)
+        # well inside the sweep's 60 s grace, after which it would kill the task and its trainer with it
+        out = sweep.communicate(timeout=45)[0].decode()
+    finally:
+        if sweep.poll() is None:
+            sweep.kill()
+            sweep.wait()
+    assert sweep.returncode == 1 and "0 finished, 0 failed, 1 not run (stopped)" in out, out
+    assert not (run / "final_model.zip").exists(), "the run trained to its end"
+    row = _status(tmp_path)["caveflyer/efla-tiny/seed0"]
+    assert row["state"] == "stopped" and row["returncode"] == 128 + signal.SIGTERM, row
+    assert "stopped by SIGTERM: checkpoint step" in (run / "train.log").read_text()  # its stop checkpoint
+
+
 def test_a_failed_run_is_recorded_with_its_log_and_the_others_still_run(tmp_path, capsys):
     # a level count the CLI passes on but procgen rejects when the run starts: the first run (seed-major,
     # then the file's condition order) exits non-zero, and the next one still runs in the one slot

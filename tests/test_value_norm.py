@@ -311,9 +311,10 @@ def test_gae_is_exact_at_a_value_shift_of_1e6():
 
 
 def test_rewards_of_size_1e_3_give_the_critic_targets_of_size_one():
-    """CartPole with rewards ×1e-3 (returns ~0.01): from the first update on, the normalised targets (R − μ)/σ have
-    a spread of ~1 (σ floored at 1 left it at ~0.005; a head not zeroed at the start, whose random outputs set the
-    first statistics, at ~0.1 after 4 updates)."""
+    """CartPole with rewards ×1e-3 (returns ~0.01 ± 0.005): from the first update on, the normalised targets
+    (R − μ)/σ have a spread of ~1. A head with a random start sets the first statistics with its own outputs (σ 0.5,
+    spreads 1.00 / 0.29 / 0.19 / 0.14 over these 4 updates); with σ floored at 1 as well, 0.50 / 0.13 / 0.08 / 0.05,
+    falling towards the returns' 0.005 as the critic learns."""
     import gymnasium as gym
 
     from rlseq.algos import MemoryPPO

@@ -357,8 +357,9 @@ class MemoryPPO(PPO):
         t0 = time.perf_counter()
         self.policy.set_training_mode(True)
         if self.policy.value_normalizer is not None:
-            # before the updates: the buffer's values keep their meaning (outputs are preserved), the targets get
-            # this rollout's scale, and Adam's moments of the head follow its rescale
+            # before the updates: the buffer's values keep their meaning (outputs are preserved; at the first update
+            # the untrained head's values move to the returns' mean), the targets get this rollout's scale, and
+            # Adam's moments of the head follow its rescale
             self.policy.value_normalizer.update(self.rollout_buffer.returns, self.policy.optimizer)
         if self._n_updates == 0:  # the memory as initialised, at step 0 (e.g. EFLA's and DeltaNet's starting gates)
             with self.phases("diagnostics"):

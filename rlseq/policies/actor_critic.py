@@ -142,7 +142,8 @@ class ValueNormalizer(nn.Module):
                  rel_min_std: float = 1e-6) -> None:
         super().__init__()
         if not 0 < min_std <= max_std or rel_min_std < 0:
-            raise ValueError(f"need 0 < min_std <= max_std and rel_min_std >= 0, got {min_std}, {max_std}, {rel_min_std}")
+            raise ValueError("need 0 < min_std <= max_std and rel_min_std >= 0, "
+                             f"got {min_std}, {max_std}, {rel_min_std}")
         self.head = [head]  # a list: not a submodule (the policy owns the head and its parameters)
         self.decay, self.min_std, self.max_std = float(decay), float(min_std), float(max_std)
         self.rel_min_std = float(rel_min_std)
@@ -172,8 +173,8 @@ class ValueNormalizer(nn.Module):
         m1, m2 = self.moments / (1 - self.decay ** self.count)
         new_mean = m1.float()
         floor = (self.rel_min_std * m1.abs()).clamp_min(self.min_std)
-        new_std = torch.minimum(torch.maximum((m2 - m1 * m1).clamp_min(0).sqrt(), floor), floor.new_tensor(self.max_std))
-        new_std = new_std.float()
+        spread = (m2 - m1 * m1).clamp_min(0).sqrt()
+        new_std = torch.minimum(torch.maximum(spread, floor), floor.new_tensor(self.max_std)).float()
         # a where, not an if: no host sync
         scale = torch.where(first, 1.0, self.std / new_std)
         shift = torch.where(first, 0.0, (self.mean - new_mean) / new_std)
