@@ -340,16 +340,21 @@ def test_a_sweep_started_in_the_background_stops_its_trainer_on_a_signal(tmp_pat
 
 
 def test_a_failed_run_is_recorded_with_its_log_and_the_others_still_run(tmp_path, capsys):
-    # a level count the CLI passes on but procgen rejects when the run starts: the first run (seed-major,
-    # then the file's condition order) exits non-zero, and the next one still runs in the one slot
-    path = _sweep_file(tmp_path, memories=["none"], conditions={"broken": {"num_levels": -1}, "ok": {}})
+    # a run whose trainer refuses to start although its flags are fine (so the sweep's own checks pass): its only
+    # checkpoint is torn. The first run (seed-major, then the file's condition order) exits non-zero, and the
+    # next one still runs in the one slot
+    path = _sweep_file(tmp_path, memories=["none"], conditions={"broken": {}, "ok": {}})
+    torn = tmp_path / "runs" / "caveflyer" / "none-broken" / "seed0" / "checkpoints"
+    (torn / "step16").mkdir(parents=True)
+    (torn / "step16" / "model.zip").write_text("not a zip\n")
+    (torn / "latest").write_text("step16\n")
     assert S.main(_cpu(path, "--parallel", "1")) == 1
     out = capsys.readouterr().out
-    assert "failed caveflyer/none-broken/seed0  rc=1" in out and "1 finished, 1 failed" in out
+    assert "failed caveflyer/none-broken/seed0  rc=2" in out and "1 finished, 1 failed" in out
     broken, ok = _status(tmp_path).values()
     assert broken["name"] == "caveflyer/none-broken/seed0" and broken["state"] == "failed"
-    assert broken["returncode"] == 1 and broken["steps"] == 0
-    assert any("num_levels must be in [0, 2147483647], got -1" in line for line in broken["log_tail"])
+    assert broken["returncode"] == 2
+    assert any(f"no checkpoint in {torn} is intact" in line for line in broken["log_tail"])
     assert ok["state"] == "done" and ok["returncode"] == 0 and ok["steps"] == 32
     assert ok["started"] >= broken["started"] + broken["seconds"]
     assert not (Path(broken["folder"]) / "final_model.zip").exists()
