@@ -511,3 +511,24 @@ def test_payload_checksum_failure_is_counted(tmp_path: Path) -> None:
     assert msg == (f"{f}: {len(STEPS) - 4} of {len(STEPS)} scalar point(s) could not be read (a record fails its "
                    "checksum, and the reader stops there); 4 kept")
     assert list(df["step"]) == STEPS[:4]
+
+
+@pytest.mark.parametrize("seeds", [1, 2])
+def test_the_curves_show_a_reference_level_and_do_not_call_one_seed_a_spread(tmp_path, monkeypatch, seeds):
+    """``references`` draws a dotted level per panel (the memory report's random actions); a figure of one seed
+    per variant says so instead of "mean ± std across seeds"."""
+    from rlseq.compare import plots
+
+    shown = {}
+
+    def keep(fig, handles, path):
+        shown.update(title=fig._suptitle.get_text(), labels=list(handles),
+                     levels=[line.get_ydata()[0] for ax in fig.axes for line in ax.get_lines()
+                             if line.get_label() == "random actions"])
+
+    monkeypatch.setattr(plots, "_finish", keep)
+    rows = [{"env": env, "variant": "efla", "seed": s, "step": step, "tag": compare.DEFAULT_METRIC, "value": float(step)}
+            for env in ("A", "B") for s in range(seeds) for step in (0, 10, 20)]
+    plots.plot_curves(pd.DataFrame(rows), tmp_path / "c.png", references={"A": -0.5})
+    assert "random actions" in shown["labels"] and shown["levels"] == [-0.5]  # panel A only
+    assert shown["title"].endswith("one seed" if seeds == 1 else "mean ± std across seeds")

@@ -295,15 +295,18 @@ def plot_horizon(summary: pd.DataFrame, path: str | Path, variants: list[str],
 
 
 
-def plot(curves: pd.DataFrame, path: str | Path) -> Path | None:
+def plot(curves: pd.DataFrame, path: str | Path, random: dict[str, dict[str, Any]] | None = None) -> Path | None:
     """Training curves of ``rollout/ep_rew_mean``: one panel per task, mean over seeds with a ±std band per
-    variant (:func:`rlseq.compare.plot_curves`). None when there is no curve."""
+    variant (:func:`rlseq.compare.plot_curves`), and the return of random actions where ``random`` (task ->
+    random.json) has it. None when there is no curve."""
     if curves.empty:
         return None
     from rlseq.compare import DEFAULT_METRIC, plot_curves
 
     df = curves.assign(env=curves["task"].map(short_task), tag=DEFAULT_METRIC)
-    return plot_curves(df[["env", "variant", "seed", "step", "tag", "value"]], path, aggregate="mean-std")
+    chance = {short_task(t): float(r["mean"]) for t, r in (random or {}).items() if "mean" in r}
+    return plot_curves(df[["env", "variant", "seed", "step", "tag", "value"]], path, aggregate="mean-std",
+                       references=chance)
 
 
 # ------------------------------------------------------------------------------------------------- markdown
@@ -607,7 +610,7 @@ def write_report(out: str | Path, *, reps: int = REPS) -> Path:
     if res.runs.empty and not res.failures:
         raise FileNotFoundError(f"no result under {out / RESULTS}: run the benchmark first "
                                 "(python -m rlseq.bench memory --out ...)")
-    png = plot(res.curves, out / CURVES_PNG)
+    png = plot(res.curves, out / CURVES_PNG, res.random)
     layout = _layout(res, reps)
     summary, _, variants = layout
     horizon_png = plot_horizon(summary, out / HORIZON_PNG, variants, res.random)

@@ -59,6 +59,8 @@ def plot_curves(
     reps: int = 1000,
     seed: int = 0,
     panels: str = "env",
+    references: dict[str, float] | None = None,
+    reference_label: str = "random actions",
 ) -> Path:
     """Learning curves of ``metric``: one panel per env, one line per variant, one PNG at ``path``.
 
@@ -68,7 +70,9 @@ def plot_curves(
     ``aggregate="mean-std"``: mean ± std (ddof=1) across seeds. ``aggregate="iqm"``: IQM across seeds
     with a 95% stratified-bootstrap band (rliable, ``reps`` resamples, one bootstrap over all grid points
     at once so it stays cheap). Seeds are interpolated on ``n_points`` grid points, see
-    :func:`_seed_curves`. Legend labels give the number of seeds.
+    :func:`_seed_curves`. Legend labels give the number of seeds; with one seed everywhere the title says so
+    (no band). ``references``: panel name -> a level drawn as a dotted line (``reference_label``), e.g. the
+    return of random actions.
     """
     if aggregate not in ("mean-std", "iqm"):
         raise ValueError(f"aggregate must be 'mean-std' or 'iqm', got {aggregate!r}")
@@ -115,13 +119,20 @@ def plot_curves(
             if np.isfinite(lo).any():
                 ax.fill_between(grid, lo, hi, color=st["color"], alpha=0.18, lw=0)
             handles[label] = line
+        if references and env in references:
+            handles[reference_label] = ax.axhline(references[env], color="grey", linestyle=":", lw=1.2,
+                                                  label=reference_label)
         ax.set_title(env)
         ax.set_ylabel("return" if metric == DEFAULT_METRIC else metric)
         _style_steps_axis(ax)
     for ax in list(axes.flat)[len(envs):]:
         ax.set_visible(False)
-    band = "mean ± std" if aggregate == "mean-std" else "IQM, 95% bootstrap CI"
-    fig.suptitle(f"{metric} — {band} across seeds", fontsize=11)
+    if int(n_seeds["max"].max()) == 1:
+        title = f"{metric} — one seed"
+    else:
+        band = "mean ± std" if aggregate == "mean-std" else "IQM, 95% bootstrap CI"
+        title = f"{metric} — {band} across seeds"
+    fig.suptitle(title, fontsize=11)
     _finish(fig, handles, path)
     return Path(path)
 
