@@ -234,6 +234,19 @@ def test_the_readme_describes_the_grid_the_code_runs():
         assert f"`{variant}`" in text, variant
 
 
+def test_the_default_grid_writes_to_runs_not_to_the_published_results():
+    """A user's ``bench memory`` (no --out) never meets the committed results in docs/memory_benchmark: it would
+    find them done, or refuse them as another commit's."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    M.add_arguments(parser)
+    g = M.resolve_grid(parser.parse_args([]))
+    assert g["out"] == Path("runs/memory_benchmark") and g["logdir"] == Path("runs/memory_benchmark")
+    assert M.resolve_grid(parser.parse_args(["--quick"]))["out"] == Path(M.QUICK_OUT)
+    assert M.resolve_grid(parser.parse_args(["--out", "docs/memory_benchmark"]))["out"] == Path("docs/memory_benchmark")
+
+
 def test_results_of_another_commit_are_refused(tmp_path, monkeypatch):
     out = tmp_path / "out"
     _result(out, T1, "efla", 0, 0.5)  # made at "abc" (see _result)
