@@ -34,7 +34,7 @@ runs tree must then be on storage that every node sees under the same path (docs
 
 Failures: a trainer that exits non-zero (for example a memory state that turned NaN, which the trainer
 reports with where it arose) is restarted from its last checkpoint ``--retries`` times (default 1), then
-recorded as failed with the end of its log. A run whose worker or node dies is rescheduled by Ray (up to
+recorded as failed with the end of its log; a usage error (exit 2) is recorded at once, as it would recur. A run whose worker or node dies is rescheduled by Ray (up to
 ``--retries`` times) and resumes from its checkpoint. SIGINT or SIGTERM to the sweep cancels the queued runs
 and stops every trainer with SIGTERM (through ``ray.cancel``); the runs it stops are recorded as ``stopped`` and resume the next
 time the sweep is started (tasks that have not ended a minute later are killed). A sweep killed outright
@@ -293,6 +293,9 @@ def _stop_with_parent(parent_pid: int) -> None:
 # stop checkpoint), was stopped, not failed: a retry would train on after someone (the parent-death signal of a
 # killed sweep's worker, a user's kill) asked it to stop
 STOPPED_BY = tuple(code for sig in (signal.SIGINT, signal.SIGTERM) for code in (-sig, 128 + sig))
+# rlseq.train's exit status for a usage error (a bad flag or config, a torn checkpoint with no intact one): the
+# same command would fail the same way, so it is not retried
+USAGE_EXIT = 2
 
 
 class Board:
@@ -367,8 +370,9 @@ SWEEP_LOCK_NAME = ".sweep.lock"  # held by a sweep's task; a second sweep on the
 def train_run(spec: dict[str, Any], board: Any) -> dict[str, Any]:
     """Train one run inside a Ray task: ``python -m rlseq.train ... --resume`` until it finishes, and again from
     its last checkpoint after a non-zero exit, ``spec["retries"]`` times at most. A run that was stopped
-    (by the sweep or a signal), finished by another process, or in another process's hands (another sweep on
-    the same tree) is not retried. Returns ``{"state", "returncode", "started", "ended", ...}``."""
+    (by the sweep or a signal), refused by the trainer as a usage error (exit 2: it would fail again the same
+    way), finished by another process, or in another process's hands (another sweep on the same tree) is not
+    retried. Returns ``{"state", "returncode", "started", "ended", ...}``."""
     import ray
 
     from rlseq.checkpoint import folder_lock
@@ -400,7 +404,7 @@ def train_run(spec: dict[str, Any], board: Any) -> dict[str, Any]:
                 rc, stopped = _train_once(argv, env, cwd, folder)
                 # BUSY_EXIT: a process outside any sweep trains into the folder
                 state = "done" if rc == 0 else "elsewhere" if rc == BUSY_EXIT else "stopped" if stopped else "failed"
-                if state != "failed":
+                if state != "failed" or rc == USAGE_EXIT:
                     break
     except KeyboardInterrupt:  # cancelled between two trainers
         state = "stopped"

@@ -353,7 +353,7 @@ def test_a_failed_run_is_recorded_with_its_log_and_the_others_still_run(tmp_path
     assert "failed caveflyer/none-broken/seed0  rc=2" in out and "1 finished, 1 failed" in out
     broken, ok = _status(tmp_path).values()
     assert broken["name"] == "caveflyer/none-broken/seed0" and broken["state"] == "failed"
-    assert broken["returncode"] == 2
+    assert broken["returncode"] == 2 and broken["attempts"] == 1  # a usage error is not retried
     assert any(f"no checkpoint in {torn} is intact" in line for line in broken["log_tail"])
     assert ok["state"] == "done" and ok["returncode"] == 0 and ok["steps"] == 32
     assert ok["started"] >= broken["started"] + broken["seconds"]
