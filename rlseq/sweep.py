@@ -251,7 +251,26 @@ def _parse_gpus(text: str) -> list[str] | None:
     gpus = [g.strip() for g in text.split(",") if g.strip()]
     if not gpus or not all(g.isdigit() for g in gpus):
         raise SweepError(f"--gpus takes all, none or comma-separated GPU indices like 0,1; got {text!r}")
+    import torch
+
+    if torch.cuda.device_count() == 0:  # Ray would hand out GPUs that are not there, and every run would fail
+        raise SweepError(f"--gpus {text}: no CUDA device is visible; use --gpus none --parallel N for the CPU")
     return gpus
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail fast where ``ray.init`` would wait: a ``HOST:PORT`` (or ``ray://HOST:PORT``) that accepts no TCP
+    connection. ``auto`` (found by Ray itself) is left to Ray."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        raise SweepError(f"--address {address}: nothing answers there ({e.strerror or e}); start the head node "
+                         "with `ray start --head` on that host, or give its address as `ray start` printed it") from None
 
 
 def _write_status(path: Path, spec_name: str, runs: list[Run]) -> None:
@@ -685,6 +704,7 @@ def _resources(args: argparse.Namespace, spec: dict[str, Any]) -> Resources:
         if args.gpus not in (None, "none") or args.parallel is not None:
             raise SweepError("--gpus and --parallel apply to the Ray this sweep starts; on a cluster each node offers "
                              "what `ray start` gave it (use --gpus-per-run and --cpus-per-run)")
+        _check_reachable(args.address)
         gpus = None
         gpus_per_run = 0.0 if args.gpus == "none" else args.gpus_per_run
     else:

@@ -186,12 +186,13 @@ def test_missing_sweep_file_and_bad_parallelism(tmp_path, capsys):
 
 
 def test_gpus_and_the_resources_each_run_asks_of_ray(monkeypatch, capsys):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert S._parse_gpus("0,1") == ["0", "1"] and S._parse_gpus(" 3 ") == ["3"] and S._parse_gpus("none") is None
     for bad in ("gpu0", "", ",", "0,a", "-1", "0;1"):
         with pytest.raises(S.SweepError, match="--gpus takes all, none or comma-separated GPU indices"):
             S._parse_gpus(bad)
-    import torch
-
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
     with pytest.raises(S.SweepError, match="no CUDA device is visible"):
         S._parse_gpus("all")
@@ -203,6 +204,10 @@ def test_gpus_and_the_resources_each_run_asks_of_ray(monkeypatch, capsys):
     assert S._parse_gpus("all") == ["0", "1"]
     assert S.main([str(SCALES), "--gpus", "1,x"]) == 2
     assert "error: --gpus takes" in capsys.readouterr().err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # indices on a host without a GPU
+    with pytest.raises(S.SweepError, match="--gpus 0: no CUDA device is visible"):
+        S._parse_gpus("0")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
 
     class FakeRay:  # what _plan reads of a cluster
         def __init__(self, *nodes):
@@ -222,6 +227,24 @@ def test_gpus_and_the_resources_each_run_asks_of_ray(monkeypatch, capsys):
                 ["--address", "auto", "--gpus", "0"], ["--address", "auto", "--parallel", "2"]):
         assert S.main([str(SCALES), *bad]) == 2
         assert capsys.readouterr().err.startswith("error: ")
+
+
+def test_an_address_where_nothing_answers_is_one_error_line_before_ray_starts(capsys, monkeypatch):
+    import socket
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setattr(S, "_start_ray", lambda res: pytest.fail("Ray must not start"))
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+        assert S.main([str(SCALES), "--address", address]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: --address {address}: nothing answers there") and err.count("\n") == 1
+    with socket.socket() as server:  # a listening port passes the check
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        S._check_reachable(f"127.0.0.1:{server.getsockname()[1]}")
+    S._check_reachable("auto")  # Ray's own discovery: left to Ray
 
 
 # --- tiny sweeps on the CPU -----------------------------------------------------------------------------
