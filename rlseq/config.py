@@ -169,9 +169,9 @@ MEMORY_VALUES: dict[str, Callable[[Any], Any]] = {
 def memory_kwargs_problems(memory_kwargs: dict, where: str) -> list[str]:
     """One message per entry of a config's ``memory_kwargs`` (memory name -> its keywords) that building the
     memory would refuse: an unknown memory or keyword, or a value out of range. Checked against the constructors'
-    signatures (:func:`rlseq.policies.memory.memory_keywords`), so nothing is built."""
+    signatures (:func:`memory_keywords`), so nothing is built."""
     from rlseq.kernels.api import BACKENDS
-    from rlseq.policies.memory import MEMORIES, RECURRENT_INITS, memory_keywords
+    from rlseq.policies.memory import MEMORIES, RECURRENT_INITS
 
     problems = []
     for name, kwargs in memory_kwargs.items():
@@ -205,20 +205,36 @@ def memory_kwargs_problems(memory_kwargs: dict, where: str) -> list[str]:
     return problems
 
 
-def _keywords(cls: type) -> set[str]:
-    """The keyword arguments ``cls(...)`` takes: its constructor's, and its parents' while ``**kwargs`` passes
-    them on."""
+def _keywords(cls: type) -> dict[str, Any]:
+    """The keyword arguments ``cls(...)`` takes, with their defaults: its constructor's, and its parents' while
+    ``**kwargs`` passes them on."""
     import inspect
 
-    found: set[str] = set()
+    found: dict[str, Any] = {}
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):
             continue
         params = inspect.signature(vars(klass)["__init__"]).parameters.values()
-        found |= {p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+        found.update({p.name: p.default for p in params
+                      if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in found})
         if not any(p.kind == p.VAR_KEYWORD for p in params):
             break
-    return found - {"self", "observation_space", "action_space", "lr_schedule"}
+    found.pop("self", None)
+    return found
+
+
+def memory_keywords(name: str) -> dict[str, Any]:
+    """The keywords ``memory_kwargs`` may hold for the memory ``name``, with their defaults: its constructors',
+    and for the GRU and the LSTM the ``nn.GRU`` / ``nn.LSTM`` keywords they pass on."""
+    from rlseq.policies.memory import memory_class
+
+    cls = memory_class(name)
+    found = {k: v for k, v in _keywords(cls).items() if k != "in_features"}
+    rnn_class = getattr(cls, "rnn_class", None)
+    if rnn_class is not None:
+        found.update({k: v for k, v in _keywords(rnn_class).items()
+                      if k not in cls.fixed_rnn_keywords and k not in found})
+    return found
 
 
 # policy keywords that other config keys set: key -> what sets it
@@ -242,7 +258,8 @@ def policy_keywords(algo: str, memory: str) -> set[str]:
 
         named = {"efla": "Efla", "deltanet": "DeltaNet"}.get(memory, "Memory")
         classes = {getattr(P, f"{named}{suffix}Policy") for suffix in ("Mlp", "Cnn", "MultiInput")}
-    return set().union(*map(_keywords, classes)) - set(POLICY_SET_ELSEWHERE)
+    constructor = {"observation_space", "action_space", "lr_schedule"}
+    return set().union(*(_keywords(c).keys() for c in classes)) - constructor - set(POLICY_SET_ELSEWHERE)
 
 
 def env_keywords(env: str, family: str) -> set[str] | None:

@@ -308,7 +308,7 @@ def test_step_matches_forward(name, backend, kw):
 
 def _conv_loop(conv: ShortConv, x: torch.Tensor, window: torch.Tensor, resets: torch.Tensor):
     """float64 oracle: keep a list of the last W-1 inputs, empty it at every episode start, and evaluate the
-    definition ``σ(b + Σ_j w[:, j] x[t - (W-1) + j])`` one step at a time (σ: SiLU or the identity)."""
+    definition ``b + Σ_j w[:, j] x[t - (W-1) + j]`` one step at a time."""
     W = conv.kernel_size
     w, b = conv.weight.double(), conv.bias.double()
     B, T, C = x.shape
@@ -321,7 +321,7 @@ def _conv_loop(conv: ShortConv, x: torch.Tensor, window: torch.Tensor, resets: t
                 past = [torch.zeros(C, dtype=torch.float64) for _ in range(W - 1)]
             taps = past + [x[i, t].double()]
             pre = b + sum(w[:, j] * taps[j] for j in range(W))
-            out.append(torch.nn.functional.silu(pre) if conv.activation else pre)
+            out.append(pre)
             past = taps[1:]
         ys.append(torch.stack(out))
         windows.append(torch.stack(past) if W > 1 else torch.zeros(0, C, dtype=torch.float64))
@@ -329,12 +329,12 @@ def _conv_loop(conv: ShortConv, x: torch.Tensor, window: torch.Tensor, resets: t
 
 
 @pytest.mark.parametrize("width", [1, 2, 4, 5])
-@pytest.mark.parametrize(("seed", "activation"), [(0, True), (1, True), (2, False)])
-def test_short_conv_matches_loop_with_resets(width, seed, activation):
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_short_conv_matches_loop_with_resets(width, seed):
     """Chunk form and step form of the convolution against the float64 loop: outputs, final windows and the
     gradients of a loss of both with respect to the inputs, the entering window, the weights and the bias."""
     torch.manual_seed(seed)
-    conv = ShortConv(6, width, activation=activation)
+    conv = ShortConv(6, width)
     B, T = 4, 19
     x, _ = _sequence(B, T, seed=seed + 5)
     x = x[..., :6].clone().requires_grad_(True)
@@ -366,7 +366,7 @@ def test_short_conv_matches_loop_with_resets(width, seed, activation):
 
 
 def _front_loop(m64, x: torch.Tensor, window: torch.Tensor, resets: torch.Tensor):
-    """float64 oracle of the shared front end: ``u = LayerNorm(silu(conv(LayerNorm(W_in x))))`` from the
+    """float64 oracle of the shared front end: ``u = LayerNorm(conv(LayerNorm(W_in x)))`` from the
     convolution's definition; returns ``(h, u, final window)``."""
     h = m64.in_proj(x.double())
     c, final_window = _conv_loop(m64.conv, h, window, resets)

@@ -478,7 +478,8 @@ def test_a_bad_memory_keyword_is_one_error_line_before_the_run_folder_exists(mem
 
 
 def test_the_memory_keywords_are_those_the_constructors_take():
-    from rlseq.policies.memory import MEMORIES, make_memory, memory_keywords
+    from rlseq.config import memory_keywords
+    from rlseq.policies.memory import MEMORIES, make_memory
 
     for name in MEMORIES:
         keywords = memory_keywords(name)

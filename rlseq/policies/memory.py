@@ -50,7 +50,6 @@ module never re-implements the recurrence.
 from __future__ import annotations
 
 import abc
-import inspect
 import math
 from typing import Any
 
@@ -128,7 +127,7 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
         self.in_proj = nn.Sequential(nn.Linear(self.in_features, self.d_model), nn.LayerNorm(self.d_model))
         # linear, then normalised: the cores get unit-scale inputs, as argued above, that are symmetric about zero
         # like h (a SiLU here would give every β logit an offset, and the gates a start that depends on the task)
-        self.conv = ShortConv(self.d_model, conv_size, activation=False)
+        self.conv = ShortConv(self.d_model, conv_size)
         self.conv_norm = nn.LayerNorm(self.d_model)
         self.norm = nn.LayerNorm(self.d_model)
 
@@ -500,6 +499,10 @@ class _RNNMemory(Memory):
     """
 
     train_graph_obstacle = "its training pass reads the episode starts on the host (nonzero, pack_padded_sequence)"
+    # nn.GRU / nn.LSTM keywords set here, or that the block cannot carry (proj_size changes the shape of h, which
+    # the state and the output projection assume to be hidden_size): the others may be passed on
+    fixed_rnn_keywords = ("mode", "input_size", "hidden_size", "num_layers", "batch_first", "bidirectional",
+                          "proj_size", "device", "dtype")
     rnn_class: type[nn.RNNBase]
     n_parts: int
     hidden_ratio = 2.0  # default hidden_size / d_model
@@ -723,34 +726,6 @@ def memory_class(name: str) -> type[Memory]:
     if key not in _REGISTRY:
         raise ValueError(f"unknown memory {name!r}; valid memories: {', '.join(MEMORIES)}")
     return _REGISTRY[key]
-
-
-# nn.GRU / nn.LSTM keywords that _RNNMemory sets itself or cannot carry (proj_size changes the shape of h, which
-# its state and output projection assume to be hidden_size), so memory_kwargs may not hold them
-_RNN_FIXED = ("mode", "input_size", "hidden_size", "num_layers", "batch_first", "bidirectional", "proj_size",
-              "device", "dtype")
-
-
-def memory_keywords(name: str) -> dict[str, Any]:
-    """The keywords ``memory_kwargs`` may hold for the memory ``name``, with their defaults.
-
-    Read off the constructors (a class's own keywords, then its parent's where it passes ``**kwargs`` on, and for
-    the RNN memories the ``nn.GRU`` / ``nn.LSTM`` keywords they forward), so that a config can be checked before
-    anything is built or written."""
-    found: dict[str, Any] = {}
-    for klass in memory_class(name).__mro__:
-        if "__init__" not in vars(klass):
-            continue
-        params = list(inspect.signature(vars(klass)["__init__"]).parameters.values())[2:]  # self, in_features
-        found.update({p.name: p.default for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)
-                      and p.name not in found})
-        if not any(p.kind == p.VAR_KEYWORD for p in params):
-            break
-        if klass is _RNNMemory:
-            base = list(inspect.signature(nn.RNNBase.__init__).parameters.values())[1:]
-            found.update({p.name: p.default for p in base if p.name not in _RNN_FIXED and p.name not in found})
-            break
-    return found
 
 
 def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:

@@ -1,43 +1,40 @@
 """Causal depthwise short convolution over time with exact episode resets (the "short convolution" of
 delta-rule layers such as flash-linear-attention's DeltaNet).
 
-Per channel c and step t, with width W and an activation σ (SiLU by default, or none)::
+Per channel c and step t, with width W::
 
-    y[t, c] = σ(bias[c] + Σ_{j=0}^{W-1} weight[c, j] · x[t - (W-1) + j, c])
+    y[t, c] = bias[c] + Σ_{j=0}^{W-1} weight[c, j] · x[t - (W-1) + j, c]
 
 where an input from before the episode that contains step t counts as zero. The last W - 1 inputs are the
 recurrent state (the *window*), so a sequence can be continued one step at a time (acting) or as a whole
 (training) with the same result.
 
 Why it matters: without it, the queries, keys and values of a delta-rule memory are functions of the current
-step alone, so the memory cannot form "what came k steps ago" as a key; with it, each of q, k, v sees the last
-W inputs.
+step alone, so the memory cannot form "what came k steps ago" as a key. It is linear: the memory block
+(:class:`rlseq.policies.memory.Memory`) normalises its output and every core applies its own nonlinearity.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["ShortConv"]
 
 
 class ShortConv(nn.Module):
-    """Depthwise causal convolution of width ``kernel_size`` followed by SiLU (or nothing), with resets.
+    """Linear depthwise causal convolution of width ``kernel_size``, with resets.
 
-    Window state ``[B, W-1, C]`` (oldest input first); ``W = 1`` is a per-channel affine map + SiLU with an
-    empty window. Weights use ``nn.Conv1d``'s default initialisation (uniform in ``±1/√W``).
+    Window state ``[B, W-1, C]`` (oldest input first); ``W = 1`` is a per-channel affine map with an empty
+    window. Weights use ``nn.Conv1d``'s default initialisation (uniform in ``±1/√W``).
 
     Args:
         channels: C.
         kernel_size: W ≥ 1 (default 4, as in flash-linear-attention's layers).
-        activation: SiLU after the convolution (default), or a linear map.
     """
 
-    def __init__(self, channels: int, kernel_size: int = 4, *, activation: bool = True) -> None:
+    def __init__(self, channels: int, kernel_size: int = 4) -> None:
         super().__init__()
-        self.activation = bool(activation)
         if kernel_size < 1:
             raise ValueError(f"kernel_size must be >= 1, got {kernel_size}")
         self.channels, self.kernel_size = int(channels), int(kernel_size)
@@ -77,20 +74,17 @@ class ShortConv(nn.Module):
             times = torch.arange(T - (W - 1), T, device=x.device)  # the steps the new window holds
             valid = times.unsqueeze(0) >= start[:, -1:]  # after the last episode start of the sequence
             new_window = new_window * valid.unsqueeze(-1).to(x.dtype)
-        return self._act(y), new_window
+        return y, new_window
 
     def step(self, x: torch.Tensor, window: torch.Tensor, resets: torch.Tensor | None = None) -> torch.Tensor:
         """One step: ``x [B, C]``, ``window [B, W-1, C]`` updated in place, ``resets [B]`` bool → ``y [B, C]``."""
         if resets is not None and self.window_size:
             window.masked_fill_(resets.view(-1, 1, 1), 0.0)
         full = torch.cat([window.to(x.dtype), x.unsqueeze(1)], dim=1)  # [B, W, C]
-        y = self._act((full * self.weight.t()).sum(1) + self.bias)
+        y = (full * self.weight.t()).sum(1) + self.bias
         if self.window_size:
             window.copy_(full[:, 1:])
         return y
 
-    def _act(self, y: torch.Tensor) -> torch.Tensor:
-        return F.silu(y) if self.activation else y
-
     def extra_repr(self) -> str:
-        return f"channels={self.channels}, kernel_size={self.kernel_size}, activation={self.activation}"
+        return f"channels={self.channels}, kernel_size={self.kernel_size}"
