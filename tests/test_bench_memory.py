@@ -226,8 +226,11 @@ def test_the_readme_describes_the_grid_the_code_runs():
     assert f"with PPO on {len(M.TASKS)} tasks" in text and f"{len(M.SEEDS)} seeds." in text
     lags = ", ".join(t.split("Lag")[1].split("-")[0] for t in M.HORIZON_TASKS)
     assert lags.rsplit(", ", 1)[0] + " and " + lags.rsplit(", ", 1)[1] + " steps back" in text
-    assert {M.TASK_STEPS[t] for t in (*M.HORIZON_TASKS, *M.LONG_TASKS)} == {500_000} and M.DEFAULT_STEPS == 100_000
-    assert "500k env steps a run on the horizon and Medium tasks, 100k on the Easy ones" in text
+    assert {M.TASK_STEPS[t] for t in (*M.HORIZON_TASKS[2:], *M.LONG_TASKS)} == {500_000}
+    assert {M.TASK_STEPS[t] for t in M.HORIZON_TASKS[:2]} == {200_000} and M.DEFAULT_STEPS == 100_000
+    assert M.HORIZON_TASKS[2] == "rlseq/RepeatPreviousLag4-v0"
+    assert ("500k env steps a run on the lags from 4 on and the Medium tasks, 200k on lags 1 and 2 (inside the "
+            "window), 100k on the Easy ones") in text
     assert len(M.EASY_TASKS) == 10 and "POPGym's ten Easy tasks" in text
     assert f"plays {M.EPISODES} new episodes" in text
     for variant in M.DEFAULT_VARIANTS:
@@ -425,3 +428,14 @@ def test_a_tiny_slice_end_to_end(tmp_path, capsys):
     bench_main(argv)
     assert "3 done already, 0 to run" in capsys.readouterr().out
     assert len(R.read_manifest(out)["invocations"]) == 1
+
+
+def test_the_schedule_is_seed_major_with_the_slowest_runs_of_a_seed_first():
+    grid = M.build_grid(["rlseq/RepeatPreviousLag1-v0", "rlseq/RepeatPreviousLag8-v0"],
+                        ["none", "efla", "lstm", "sb3-lstm", "none-conv1"], [1, 0], dict(M.TASK_STEPS))
+    order = M.schedule(grid)
+    assert sorted(order, key=lambda r: r.name) == sorted(grid, key=lambda r: r.name)
+    assert [r.seed for r in order] == sorted(r.seed for r in grid)
+    first = [(r.variant, r.task[-6:]) for r in order if r.seed == 0]
+    assert first[0] == ("sb3-lstm", "ag8-v0") and first[1] == ("lstm", "ag8-v0")
+    assert first[-1][0].startswith("none") and first[-1][1] == "ag1-v0"  # the cheapest memory at the shortest budget
