@@ -120,7 +120,7 @@ def test_the_report_from_synthetic_result_files(tmp_path):
     assert "- **RepeatFirstEasy**: best efla (0.50); CI overlaps the best: none, sb3-lstm; at or below none " \
            "(0.50): efla, sb3-lstm." in text
     assert f"- {T2}/sb3-lstm/seed1: training exited with code 1 — `ValueError: nan`" in text
-    assert "## Not run yet" in text and f"{T2}/efla/seed1" in text
+    assert "## Not run yet" in text and f"- **{R.short_task(T2)}**: efla seed 1" in text
     assert "| RepeatPreviousEasy | 1,000 | 1,000 | 1,000 |" in text  # speeds: median of 1000 and 1001
     assert "python -m rlseq.bench memory --quick" in text and "Total wall time: 10.0 min" in text
     assert "Versions: python 3.x, torch 2.x, rlseq abc." in text
@@ -439,3 +439,45 @@ def test_the_schedule_is_seed_major_with_the_slowest_runs_of_a_seed_first():
     first = [(r.variant, r.task[-6:]) for r in order if r.seed == 0]
     assert first[0] == ("sb3-lstm", "ag8-v0") and first[1] == ("lstm", "ag8-v0")
     assert first[-1][0].startswith("none") and first[-1][1] == "ag1-v0"  # the cheapest memory at the shortest budget
+
+
+def test_runs_not_yet_run_are_listed_per_task_with_their_seeds():
+    missing = [f"{t}/{v}/seed{s}" for t, v, s in [("rlseq/RepeatPreviousLag8-v0", "gru", 3),
+                                                  ("rlseq/RepeatPreviousLag8-v0", "gru", 4),
+                                                  ("rlseq/RepeatPreviousLag8-v0", "lstm", 4),
+                                                  ("popgym-CountRecallMedium-v0", "efla", 0),
+                                                  ("popgym-CountRecallMedium-v0", "efla", 1),
+                                                  ("popgym-CountRecallMedium-v0", "none", 0),
+                                                  ("popgym-CountRecallMedium-v0", "none", 1)]]
+    assert R._missing_lines(missing) == ["- **CountRecallMedium**: efla, none: seeds 0, 1",
+                                         "- **RepeatPreviousLag8**: gru seeds 3, 4; lstm seed 4"]
+
+
+def test_a_stopped_idle_worker_leaves_without_a_traceback(tmp_path):
+    """The benchmark stops its workers with SIGTERM; one waiting for its next run exits 0 and prints nothing."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import multiprocessing as mp, os, time
+        from concurrent.futures import ProcessPoolExecutor
+        from rlseq.bench.memory import _init_worker
+        if __name__ == "__main__":
+            ctx = mp.get_context("spawn")
+            pool = ProcessPoolExecutor(max_workers=2, mp_context=ctx, initializer=_init_worker,
+                                       initargs=(os.getpid(),))
+            pool.submit(abs, -1).result()
+            time.sleep(0.5)
+            workers = ctx.active_children()
+            for p in workers:
+                p.terminate()
+            for p in workers:
+                p.join(30)
+            print("exitcodes", sorted({p.exitcode for p in workers}))
+    """)
+    (tmp_path / "stop.py").write_text(script)
+    proc = subprocess.run([sys.executable, str(tmp_path / "stop.py")], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.stdout.strip().endswith("exitcodes [0]"), proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr

@@ -264,11 +264,22 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------- worker
+_IN_RUN = False  # a worker's: whether run_one is running
+
+
+def _on_stop(signum: int, frame: Any) -> None:
+    # in a run, rlseq.sweep._train_once passes the interrupt on to the trainer; an idle worker (waiting for its
+    # next run) has nothing to save and leaves quietly instead of printing a KeyboardInterrupt traceback
+    if _IN_RUN:
+        raise KeyboardInterrupt
+    raise SystemExit(0)
+
+
 def _init_worker(parent: int) -> None:
-    # the main process decides when to stop (a terminal's Ctrl-C reaches the trainers directly); its SIGTERM
-    # interrupts the worker, whose rlseq.sweep._train_once passes it on to the trainer
+    # the main process decides when to stop (a terminal's Ctrl-C reaches the trainers directly) and sends its
+    # workers SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _on_stop)
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     if sys.platform == "linux":
         _stop_with_parent(parent)
@@ -277,6 +288,15 @@ def _init_worker(parent: int) -> None:
 def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train (unless finished), evaluate and write one run's result; returns ``{"name", "state", ...}`` with
     state ``done``, ``failed`` (with ``reason`` and ``log_tail``) or ``stopped``. Runs in a worker process."""
+    global _IN_RUN
+    _IN_RUN = True
+    try:
+        return _run_one(spec)
+    finally:
+        _IN_RUN = False
+
+
+def _run_one(spec: dict[str, Any]) -> dict[str, Any]:
     folder, paths = Path(spec["folder"]), {k: Path(v) for k, v in spec["paths"].items()}
     resumed = folder.exists()
     train_wall = None

@@ -597,7 +597,31 @@ def _problems(res: Results) -> list[str]:
             lines.append(f"- {f['name']}: {f.get('reason', 'failed')}" + (f" — `{last.strip()}`" if last else ""))
         lines.append("")
     if res.missing:
-        lines += ["## Not run yet", "", ", ".join(res.missing), ""]
+        lines += ["## Not run yet", "", "Runs of the grid without a result or a failure:", "",
+                  *_missing_lines(res.missing), ""]
+    return lines
+
+
+def _missing_lines(missing: list[str]) -> list[str]:
+    """One line per task: ``- **Task**: efla seeds 3, 4; gru seed 4``, or ``every variant (...), seeds ...``
+    when all its variants miss the same seeds."""
+    by_task: dict[str, dict[str, list[int]]] = {}
+    for name in missing:
+        head, _, seed = name.rpartition("/seed")
+        task, _, variant = head.rpartition("/")
+        by_task.setdefault(task, {}).setdefault(variant, []).append(int(seed))
+
+    def seeds(ss: list[int]) -> str:
+        return ("seed " if len(ss) == 1 else "seeds ") + ", ".join(map(str, sorted(ss)))
+
+    lines = []
+    for task, per_variant in sorted(by_task.items()):
+        groups = {tuple(sorted(ss)) for ss in per_variant.values()}
+        if len(per_variant) > 1 and len(groups) == 1:
+            text = f"{', '.join(per_variant)}: {seeds(list(groups.pop()))}"
+        else:
+            text = "; ".join(f"{v} {seeds(ss)}" for v, ss in per_variant.items())
+        lines.append(f"- **{short_task(task)}**: {text}")
     return lines
 
 
