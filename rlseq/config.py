@@ -163,6 +163,7 @@ MEMORY_VALUES: dict[str, Callable[[Any], Any]] = {
                      "chunk_size"), _POSITIVE),
     **dict.fromkeys(("residual", "query_norm", "allow_negative_eigenvalues", "bias"), _boolean),
     "beta_bias_init": _real(-MAX_SCALE), "forget_bias": _real(-MAX_SCALE), "dropout": _real(0, 1),
+    "key_norm_cap": _real(0, MAX_SCALE, above=True),
 }
 
 
@@ -207,18 +208,21 @@ def memory_kwargs_problems(memory_kwargs: dict, where: str) -> list[str]:
 
 def _keywords(cls: type) -> dict[str, Any]:
     """The keyword arguments ``cls(...)`` takes, with their defaults: its constructor's, and its parents' while
-    ``**kwargs`` passes them on."""
+    ``**kwargs`` passes them on. The parents' come first (the keywords every subclass shares lead a listing), a
+    subclass's default wins."""
     import inspect
 
-    found: dict[str, Any] = {}
+    levels: list[dict[str, Any]] = []
     for klass in cls.__mro__:
         if "__init__" not in vars(klass):
             continue
         params = inspect.signature(vars(klass)["__init__"]).parameters.values()
-        found.update({p.name: p.default for p in params
-                      if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD) and p.name not in found})
+        levels.append({p.name: p.default for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)})
         if not any(p.kind == p.VAR_KEYWORD for p in params):
             break
+    found: dict[str, Any] = {}
+    for level in reversed(levels):
+        found.update(level)
     found.pop("self", None)
     return found
 

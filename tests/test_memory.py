@@ -14,6 +14,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before any triton kernel module is imported
 
 import copy  # noqa: E402
+import math  # noqa: E402
 import importlib  # noqa: E402
 import pathlib  # noqa: E402
 import subprocess  # noqa: E402
@@ -658,3 +659,59 @@ def test_memory_layers_skip_the_beta_check_their_sigmoid_makes_redundant(name, m
     m.diagnostics(x, m.initial_state(3, "cpu"), resets)
     with pytest.raises(pytest.fail.Exception, match="the beta check ran"):  # the public API still checks
         api.chunk_rule(*(torch.rand(1, 2, 1, 4) for _ in range(3)), torch.rand(1, 2, 1), rule=name)
+
+
+@pytest.mark.parametrize("cap", [0.5, 2.0])
+def test_efla_key_norm_cap_bounds_the_keys_and_the_gate_and_acting_equals_training(cap):
+    """Keys longer than the cap come out at its length, shorter ones unchanged; the gate stays at most
+    1 - exp(-cap²) even with β near 1 and large inputs; the acting path (one step at a time) equals the training
+    pass with resets, outputs and final state, and gradients reach every parameter."""
+    m = _memory("efla", key_norm_cap=cap)
+    assert f"key_norm_cap={cap}" in repr(m)
+    k_raw = torch.randn(3, 5, 2, 16) * torch.logspace(-4, 4, 5).view(1, 5, 1, 1)
+    k = m._keys(k_raw)
+    n_raw, n = k_raw.norm(dim=-1), k.norm(dim=-1)
+    torch.testing.assert_close(n, torch.minimum(n_raw, torch.full_like(n_raw, cap)), rtol=1e-5, atol=0)
+    torch.testing.assert_close(k[n_raw <= cap], k_raw[n_raw <= cap])
+    torch.testing.assert_close(torch.nn.functional.normalize(k, dim=-1), torch.nn.functional.normalize(k_raw, dim=-1))
+    with torch.no_grad():
+        m.beta_proj.bias.fill_(8.0)  # β ≈ 1
+    x, r = _sequence(3, 23, scale=1e3)
+    d = m.diagnostics(x, m.initial_state(3), r)
+    assert float(d["gate_mean"]) <= 1 - math.exp(-cap * cap) + 1e-6
+    y_act, s_act = _act(m, x, m.initial_state(3), r)
+    y, s = m(x, m.initial_state(3), r)
+    torch.testing.assert_close(y_act, y.detach(), atol=TOL, rtol=TOL)
+    torch.testing.assert_close(s_act, s.detach(), atol=TOL, rtol=TOL)
+    y.square().mean().backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in m.parameters() if p.requires_grad)
+
+
+def test_efla_without_a_cap_keeps_raw_keys_and_a_bad_cap_is_refused():
+    m = _memory("efla")
+    k_raw = 1e3 * torch.randn(2, 4, 2, 16)
+    assert m.key_norm_cap is None and m._keys(k_raw) is k_raw
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="key_norm_cap must be a positive finite number"):
+            _memory("efla", key_norm_cap=bad)
+    from rlseq.config import memory_kwargs_problems
+
+    assert memory_kwargs_problems({"efla": {"key_norm_cap": 2}}, "f.yml") == []
+    assert memory_kwargs_problems({"efla": {"key_norm_cap": 0}}, "f.yml") == [
+        "memory_kwargs efla key_norm_cap 0 must be > 0 and <= 1e+12 (f.yml)"]
+    assert "unknown memory_kwargs key 'key_norm_cap' of deltanet" in memory_kwargs_problems(
+        {"deltanet": {"key_norm_cap": 2}}, "f.yml")[0]
+
+
+def test_every_ablation_config_is_valid():
+    """The files that `python -m rlseq.bench memory --config` takes: each names only keys, memories and memory
+    keywords that a run accepts."""
+    from rlseq.config import CONFIG_KEYS, load_config, memory_kwargs_problems, unknown_keys
+
+    files = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs" / "ablations").glob("*.yml"))
+    assert len(files) >= 9
+    for path in files:
+        entry = load_config(path, "popgym-RepeatFirstMedium-v0", "popgym")
+        assert unknown_keys(entry, str(path)) == [], path
+        assert set(entry) <= set(CONFIG_KEYS)
+        assert memory_kwargs_problems(entry.get("memory_kwargs") or {}, str(path)) == [], path

@@ -442,11 +442,31 @@ class EFLAMemory(_DeltaRuleMemory):
         beta_bias_init: initial bias of the β logit (None: the matched start above).
         backend: kernel backend passed to ``chunk_rule``/``step_rule`` (None: Triton on CUDA, torch on the CPU).
         chunk_size: chunk length of the torch backend's ``chunk_rule`` (None: the kernel's default).
+        key_norm_cap: None (default): raw keys. A number c > 0: keys longer than c are scaled to length c, so the
+            gate stays at most ``1 - e^{-c²}`` and β keeps control of the write (an option under test on the
+            memory benchmark; ``docs/memory.md``, EFLA's seeds on RepeatFirstMedium).
     """
 
     name = "efla"
     rule = "efla"
     head_width = 1.0
+
+    def __init__(self, in_features: int, *, key_norm_cap: float | None = None, **kwargs: Any) -> None:
+        if key_norm_cap is not None and not (math.isfinite(key_norm_cap) and key_norm_cap > 0):
+            raise ValueError(f"key_norm_cap must be a positive finite number or None, got {key_norm_cap}")
+        self.key_norm_cap = None if key_norm_cap is None else float(key_norm_cap)
+        super().__init__(in_features, **kwargs)
+
+    def _keys(self, k_raw: torch.Tensor) -> torch.Tensor:
+        if self.key_norm_cap is None:
+            return k_raw
+        # keys longer than the cap are scaled down to it, so the gate 1 - exp(-β‖k‖²) stays below
+        # 1 - exp(-cap²) and β keeps control of the write (docs/memory.md: EFLA's seeds on RepeatFirstMedium)
+        cap = self.key_norm_cap
+        return k_raw * (cap / k_raw.norm(dim=-1, keepdim=True).clamp_min(cap))
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + (f", key_norm_cap={self.key_norm_cap}" if self.key_norm_cap is not None else "")
 
 
 class DeltaNetMemory(_DeltaRuleMemory):
