@@ -704,14 +704,15 @@ def test_efla_without_a_cap_keeps_raw_keys_and_a_bad_cap_is_refused():
 
 
 def test_every_ablation_config_is_valid():
-    """The files that `python -m rlseq.bench memory --config` takes: each names only keys, memories and memory
-    keywords that a run accepts."""
-    from rlseq.config import CONFIG_KEYS, load_config, memory_kwargs_problems, unknown_keys
+    """The files that `python -m rlseq.bench memory --config` takes: each names only keys, values, memory keywords
+    and policy keywords that a run of every memory accepts (the checks `python -m rlseq.train` makes)."""
+    from rlseq.config import check_values, kwargs_problems, load_config, unknown_keys
 
+    env = "popgym-RepeatFirstMedium-v0"
     files = sorted((pathlib.Path(__file__).resolve().parents[1] / "configs" / "ablations").glob("*.yml"))
     assert len(files) >= 9
     for path in files:
-        entry = load_config(path, "popgym-RepeatFirstMedium-v0", "popgym")
-        assert unknown_keys(entry, str(path)) == [], path
-        assert set(entry) <= set(CONFIG_KEYS)
-        assert memory_kwargs_problems(entry.get("memory_kwargs") or {}, str(path)) == [], path
+        entry = load_config(path, env, "popgym")
+        assert unknown_keys(entry, str(path)) == [] and check_values(entry, {}) == [], path
+        for memory in MEMORIES:
+            assert kwargs_problems(entry, {}, "rlseq", memory, env, "popgym") == [], (path, memory)

@@ -603,7 +603,7 @@ def _problems(res: Results) -> list[str]:
 
 
 def _missing_lines(missing: list[str]) -> list[str]:
-    """One line per task: ``- **Task**: efla seeds 3, 4; gru seed 4``, or ``every variant (...), seeds ...``
+    """One line per task: ``- **Task**: efla seeds 3, 4; gru seed 4``, or ``- **Task**: efla, gru: seeds 0, 1``
     when all its variants miss the same seeds."""
     by_task: dict[str, dict[str, list[int]]] = {}
     for name in missing:
