@@ -38,7 +38,8 @@ recorded as failed with the end of its log; a usage error (exit 2) is recorded a
 ``--retries`` times) and resumes from its checkpoint. SIGINT or SIGTERM to the sweep cancels the queued runs
 and stops every trainer with SIGTERM (through ``ray.cancel``); the runs it stops are recorded as ``stopped`` and resume the next
 time the sweep is started (tasks that have not ended a minute later are killed). A sweep killed outright
-(SIGKILL) takes its embedded Ray with it, and each trainer gets SIGTERM when its Ray worker dies.
+(SIGKILL) takes its embedded Ray with it (a reaper process ends what Ray itself leaves behind), and each trainer
+gets SIGTERM when its Ray worker dies.
 
 Two sweeps over one tree (two terminals, or hosts sharing the disk) split the grid: a sweep's task locks the
 run folder (``.sweep.lock``) before it starts a trainer, and the trainer locks it too (``.lock``, exit status
@@ -69,6 +70,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from rlseq import reaper
 
 
 GRID_KEYS = ("envs", "memories", "seeds", "conditions")
@@ -263,11 +266,11 @@ def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     connection. ``auto`` (found by Ray itself) is left to Ray."""
     import socket
 
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
+    host, port = _host_port(address)
+    if not host or port is None:
         return
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+        socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as e:
         raise SweepError(f"--address {address}: nothing answers there ({e.strerror or e}); start the head node "
                          "with `ray start --head` on that host, or give its address as `ray start` printed it") from None
@@ -452,24 +455,74 @@ class Resources:
     retries: int = 1
 
 
+# ray.init swaps a loopback address (a node's, or the cluster address given) for the host's routable one unless
+# this is off; it is read when ray is imported, and by the processes of an embedded Ray, which inherit it
+LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def _host_port(address: str) -> tuple[str, int | None]:
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    return host.strip("[]"), (int(port) if port.isdigit() else None)
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _routable_ip() -> str:
+    """This host's address as Ray picks it when it rewrites a loopback one: the source of a route outwards."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("8.8.8.8", 53))  # UDP: nothing is sent
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def _answers(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return True
+    except OSError:
+        return False
+
+
+def _ray_env(res: Resources) -> dict[str, str]:
+    """The environment ``ray`` must be imported and started in. An embedded Ray stays on the loopback and sees
+    only ``--gpus``. Joining at a loopback address, Ray would connect to this host's routable address instead:
+    right for a head started by a plain ``ray start --head``, a hang for one that listens on the loopback only
+    (``--node-ip-address 127.0.0.1``), so there Ray is kept on the loopback too."""
+    if res.address is None:
+        return {**LOOPBACK_ONLY, **({"CUDA_VISIBLE_DEVICES": ",".join(res.gpus)} if res.gpus is not None else {})}
+    host, port = _host_port(res.address)
+    if _is_loopback(host) and port is not None:
+        routable = _routable_ip()
+        if not _is_loopback(routable) and not _answers(routable, port):
+            return dict(LOOPBACK_ONLY)
+    return {}
+
+
 def _start_ray(res: Resources) -> Any:
     """Join the cluster at ``res.address``, or start Ray on this machine bound to 127.0.0.1, without the
-    dashboard, so that nothing on the network can reach it."""
+    dashboard, so that nothing on the network can reach it, and with a reaper (:mod:`rlseq.reaper`) that ends
+    its processes if the sweep is killed outright. :func:`_stop_ray` ends both."""
     import logging
 
-    if res.address is not None:
-        import ray
-
-        ray.init(address=res.address, log_to_driver=False, logging_level=logging.WARNING)
-        return ray
-    # ray.init swaps a loopback node address for the host's routable one unless this is off; it is read when
-    # ray is imported and by the processes of the embedded Ray, which inherit it (and the GPUs) from here
-    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-    if res.gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(res.gpus)
+    env = _ray_env(res)
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
+        if res.address is not None:
+            import ray
+
+            ray.init(address=res.address, log_to_driver=False, logging_level=logging.WARNING)
+            return ray
+        global _reaper
+        _reaper = reaper.start()
         import ray
 
         cpus = res.parallel * res.cpus_per_run if res.parallel else float(os.cpu_count() or 1)
@@ -484,10 +537,21 @@ def _start_ray(res: Resources) -> Any:
                 os.environ[k] = v
     addresses = {n["NodeManagerAddress"] for n in ray.nodes()}
     if addresses != {"127.0.0.1"}:
-        ray.shutdown()
+        _stop_ray(ray)
         raise SweepError(f"the embedded Ray bound to {', '.join(sorted(addresses))} instead of 127.0.0.1 "
                          "(was ray imported before rlseq.sweep set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0?)")
     return ray
+
+
+_reaper = None  # the embedded Ray's reaper while it runs
+
+
+def _stop_ray(ray: Any) -> None:
+    """Shut Ray down (and an embedded Ray's reaper, which then leaves everything alone)."""
+    global _reaper
+    ray.shutdown()
+    reaper.stop(_reaper)
+    _reaper = None
 
 
 def _plan(ray: Any, res: Resources) -> tuple[float, int]:
@@ -587,7 +651,7 @@ def execute(runs: list[Run], res: Resources, *, status_path: Path, spec_name: st
             signal.signal(s, h)
         if bar is not None:
             bar.close()
-        ray.shutdown()
+        _stop_ray(ray)
         for r in runs:  # what another sweep was training may have finished meanwhile
             if r.state == "elsewhere" and (r.folder / "final_model.zip").exists():
                 r.state = "finished"

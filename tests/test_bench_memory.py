@@ -481,3 +481,35 @@ def test_a_stopped_idle_worker_leaves_without_a_traceback(tmp_path):
                           timeout=120)
     assert proc.stdout.strip().endswith("exitcodes [0]"), proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_stopped_grid_says_so_in_one_line_and_resumes(tmp_path, sig):
+    """A signal to the benchmark (a timeout, Ctrl-C) stops every trainer at a checkpoint: one line, no traceback,
+    and the same command goes on from there."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out, logdir = tmp_path / "bench", tmp_path / "runs"
+    argv = [sys.executable, "-m", "rlseq.bench", "memory", "--tasks", T1, "--variants", "none", "--seeds", "0",
+            "1", "--steps", "200000", "--n-envs", "4", "--n-steps", "32", "--n-minibatches", "2", "--episodes",
+            "8", "--jobs", "2", "--out", str(out), "--logdir", str(logdir)]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        runs = [M.BenchRun(T1, "none", s, 200_000) for s in (0, 1)]
+        while time.monotonic() < deadline and not all(M.trained_steps(r, logdir) > 0 for r in runs):
+            time.sleep(0.2)  # both have a checkpoint
+        assert all(M.trained_steps(r, logdir) > 0 for r in runs), "no checkpoint within 240 s"
+        proc.send_signal(getattr(signal, sig))
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in stderr and "Error" not in stderr, stderr
+    assert stderr.strip().splitlines()[-1] == "2 run(s) stopped; the same command resumes them", stderr
+    assert f"stopping ({sig})" in stdout + stderr
+    assert all(M.trained_steps(r, logdir) > 0 for r in runs)

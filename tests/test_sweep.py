@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 import rlseq.sweep as S
+from rlseq import reaper
 
 REPO = Path(__file__).resolve().parents[1]
 SCALES = REPO / "configs" / "experiments" / "caveflyer_scales.yml"
@@ -247,6 +248,32 @@ def test_an_address_where_nothing_answers_is_one_error_line_before_ray_starts(ca
     S._check_reachable("auto")  # Ray's own discovery: left to Ray
 
 
+def test_a_loopback_address_keeps_ray_on_the_loopback_only_where_the_head_listens_only_there(monkeypatch):
+    answering: set[str] = set()
+    monkeypatch.setattr(S, "_routable_ip", lambda: "192.0.2.7")
+    monkeypatch.setattr(S, "_answers", lambda host, port, timeout_s=2.0: host in answering)
+    head = S.Resources(address="127.0.0.1:6379")
+    assert S._ray_env(head) == S.LOOPBACK_ONLY  # `ray start --head --node-ip-address 127.0.0.1`
+    assert S._ray_env(S.Resources(address="ray://localhost:10001")) == S.LOOPBACK_ONLY
+    answering.add("192.0.2.7")  # a plain `ray start --head`: Ray's own rewrite reaches it
+    assert S._ray_env(head) == {}
+    assert S._ray_env(S.Resources(address="10.1.2.3:6379")) == {} and S._ray_env(S.Resources(address="auto")) == {}
+    assert S._ray_env(S.Resources(gpus=["1", "3"])) == {**S.LOOPBACK_ONLY, "CUDA_VISIBLE_DEVICES": "1,3"}
+    monkeypatch.setattr(S, "_routable_ip", lambda: "127.0.0.1")  # no route outwards: Ray rewrites nothing
+    assert S._ray_env(S.Resources(address="127.0.0.1:6379")) == {}
+
+
+@pytest.mark.parametrize("env,expected", [(S.LOOPBACK_ONLY, "127.0.0.1:6379"), ({}, "192.0.2.7:6379")])
+def test_the_loopback_switch_is_what_stops_ray_rewriting_a_loopback_address(env, expected):
+    # Ray's own canonicalisation of the address ray.init is given, on a host whose routable address is 192.0.2.7
+    code = ("from ray._private import services as s; s.node_ip_address_from_perspective = lambda *a, **k: "
+            "'192.0.2.7'; print(s.canonicalize_bootstrap_address('127.0.0.1:6379'))")
+    base = {k: v for k, v in os.environ.items() if k not in S.LOOPBACK_ONLY}
+    out = subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == expected, out.stderr[-2000:]
+
+
 # --- tiny sweeps on the CPU -----------------------------------------------------------------------------
 
 
@@ -400,6 +427,13 @@ def test_a_trainer_stopped_by_a_signal_is_not_retried(tmp_path, code, rc, stoppe
     assert S._train_once([sys.executable, "-c", code], dict(os.environ), None, tmp_path, poll_s=0.05) == (rc, stopped)
 
 
+def _name(pid: int) -> str:
+    try:
+        return f"{pid} " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
+    except OSError:
+        return str(pid)
+
+
 def _lock_holder_after(folder: Path, seconds: float) -> str | None:
     """Wait up to ``seconds`` for the run-folder lock of ``folder`` to be free; None once it is, else its holder.
 
@@ -432,11 +466,17 @@ def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
         assert lock.exists() and lock.read_text().strip(), "the training process did not start within 180 s"
         pid = int(lock.read_text().split()[1])  # "pid N on HOST"
         assert pid != sweep.pid and _alive(pid)
+        ray_processes = reaper.descendants(sweep.pid)  # GCS, raylet, its agents and workers, the reaper
         sweep.kill()  # SIGKILL: the sweep cannot pass anything on
         sweep.wait()
         holder = _lock_holder_after(run, 60)  # free: every trainer of the sweep has ended (a retry included)
         assert holder is None, f"the training process outlived its sweep: {holder} (the first was pid {pid})"
         assert not _alive(pid)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(reaper._same(p, t) for p, t in ray_processes.items()):
+            time.sleep(0.1)
+        left = [_name(p) for p, t in ray_processes.items() if reaper._same(p, t)]
+        assert not left, f"the killed sweep's Ray processes live on: {left}"
     finally:
         if sweep.poll() is None:
             sweep.kill()

@@ -418,28 +418,33 @@ def execute(runs: list[BenchRun], out: Path, logdir: Path, *, jobs: int, episode
                                initargs=(os.getpid(),))
     futures = {pool.submit(run_one, specs[r]): r for r in todo}
     pending = set(futures)
-    old_term = signal.signal(signal.SIGTERM, signal.default_int_handler)  # SIGTERM stops like Ctrl-C
+    # SIGINT and SIGTERM set a flag that the loop reads: an exception raised from a signal handler can land inside
+    # the executor's own locking and leave it broken ("release unlocked lock") instead of stopping the grid
+    stop: list[int] = []
+    old = {s: signal.signal(s, lambda signum, _frame: stop.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        while pending:
+        while pending and not stop:
             done, pending = wait(pending, timeout=poll_s, return_when=FIRST_COMPLETED)
             for fut in done:
                 _collect(fut, futures[fut], answers, finished, bar)
             bar.n = progress()
             bar.set_postfix_str(f"{len(answers['done'])} done, {len(answers['failed'])} failed", refresh=False)
             bar.refresh()
-    except KeyboardInterrupt:
-        bar.write("stopping: the running trainers keep their last checkpoint; the same command resumes them")
-        for fut in pending:
-            fut.cancel()
-        for proc in ctx.active_children():
-            proc.terminate()  # the worker passes it on to its trainer as SIGINT
-        for fut in [f for f in pending if not f.cancelled()]:
-            try:
-                _collect(fut, futures[fut], answers, finished, bar)
-            except Exception:  # noqa: BLE001  (a worker that died while stopping leaves its run to resume)
-                pass
+        if stop:
+            bar.write(f"stopping ({signal.Signals(stop[0]).name}): the running trainers keep their last checkpoint; "
+                      "the same command resumes them")
+            for fut in pending:
+                fut.cancel()
+            for proc in ctx.active_children():
+                proc.terminate()  # the worker passes it on to its trainer as SIGINT
+            for fut in [f for f in pending if not f.cancelled()]:
+                try:
+                    _collect(fut, futures[fut], answers, finished, bar)
+                except Exception:  # noqa: BLE001  (a worker that died while stopping leaves its run to resume)
+                    pass
     finally:
-        signal.signal(signal.SIGTERM, old_term)
+        for s, h in old.items():
+            signal.signal(s, h)
         pool.shutdown(wait=True, cancel_futures=True)
         bar.close()
     return answers
