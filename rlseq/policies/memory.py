@@ -429,8 +429,8 @@ class EFLAMemory(_DeltaRuleMemory):
     - **State** ``[B, H·K·V + (W-1)·d]`` float32; :meth:`state_parts` gives the matrix ``[B, H, K, V]`` and the
       window ``[B, W-1, d]`` as views.
     - Defaults ``n_heads=4``, ``head_dim = value_dim = d_model / n_heads`` (32 at the default width 128):
-      4·32·32 = 4096 floats of matrix state per sequence. (Heads of 64 were worse on the memory benchmark's
-      RepeatFirstMedium: 0.79 / −0.21 / 0.43 against 0.92 / 0.99 / 0.97 over seeds 0–2; ``docs/memory.md``.)
+      4·32·32 = 4096 floats of matrix state per sequence. (Chosen over heads of 64 on RepeatFirstMedium under an
+      earlier critic; ``docs/memory.md`` has the probe and says which choices have not been probed again.)
 
     Args:
         in_features: F, size of ``x``.
