@@ -526,9 +526,14 @@ def _start_ray(res: Resources) -> Any:
         import ray
 
         cpus = res.parallel * res.cpus_per_run if res.parallel else float(os.cpu_count() or 1)
-        ray.init(address="local", num_cpus=max(cpus, res.cpus_per_run), num_gpus=len(res.gpus or []),
-                 include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=100 * 2**20,
-                 log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            ray.init(address="local", num_cpus=max(cpus, res.cpus_per_run), num_gpus=len(res.gpus or []),
+                     include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=100 * 2**20,
+                     log_to_driver=False, logging_level=logging.WARNING)
+        except BaseException:
+            reaper.stop(_reaper)
+            _reaper = None
+            raise
     finally:  # the caller's environment as it was (a later `ray start` in it must not see the switch)
         for k, v in before.items():
             if v is None:

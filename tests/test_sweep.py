@@ -467,6 +467,7 @@ def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
         pid = int(lock.read_text().split()[1])  # "pid N on HOST"
         assert pid != sweep.pid and _alive(pid)
         ray_processes = reaper.descendants(sweep.pid)  # GCS, raylet, its agents and workers, the reaper
+        time.sleep(3 * reaper.POLL_S)  # the reaper's own list has taken in all of these
         sweep.kill()  # SIGKILL: the sweep cannot pass anything on
         sweep.wait()
         holder = _lock_holder_after(run, 60)  # free: every trainer of the sweep has ended (a retry included)
