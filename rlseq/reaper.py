@@ -37,8 +37,10 @@ def _stat(pid: int) -> tuple[int, int] | None:
         text = (PROC / str(pid) / "stat").read_text()
     except OSError:
         return None
-    fields = text[text.rindex(")") + 2:].split()  # the name in parentheses may hold spaces
-    return None if fields[0] == "Z" else (int(fields[1]), int(fields[19]))
+    fields = text[text.rfind(")") + 2:].split()  # the name in parentheses may hold spaces
+    if len(fields) < 20 or fields[0] == "Z":  # an empty read of a process that just ended, or a zombie
+        return None
+    return int(fields[1]), int(fields[19])
 
 
 def _is_trainer(pid: int) -> bool:
@@ -49,10 +51,12 @@ def _is_trainer(pid: int) -> bool:
     return argv[1:3] == TRAINER
 
 
-def descendants(pid: int) -> dict[int, int]:
-    """Every live descendant of ``pid`` (children, their children, ...) but trainers and theirs -> its start time,
-    the identity that survives PID reuse."""
+def descendants(pid: int, *, trainers: bool = False) -> dict[int, int]:
+    """Every live descendant of ``pid`` (children, their children, ...) -> its start time, the identity that
+    survives PID reuse; trainers and what they started only with ``trainers``. Empty without ``/proc``."""
     children: dict[int, list[tuple[int, int]]] = {}
+    if not PROC.is_dir():
+        return {}
     for entry in PROC.iterdir():
         if entry.name.isdigit():
             st = _stat(int(entry.name))
@@ -62,7 +66,7 @@ def descendants(pid: int) -> dict[int, int]:
     todo = [pid]
     while todo:
         for child, start in children.get(todo.pop(), []):
-            if child not in out and not _is_trainer(child):
+            if child not in out and (trainers or not _is_trainer(child)):
                 out[child] = start
                 todo.append(child)
     return out
@@ -76,7 +80,7 @@ def _same(pid: int, start: int) -> bool:
 def reap(known: dict[int, int], grace_s: float) -> list[int]:
     """SIGTERM each process of ``known`` that is still the same process, SIGKILL those left after ``grace_s``;
     returns the pids signalled."""
-    hit = [pid for pid, start in known.items() if _same(pid, start)]
+    hit = [pid for pid, start in known.items() if _same(pid, start) and not _is_trainer(pid)]
     for pid in hit:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
@@ -104,7 +108,9 @@ def watch(pid: int, pipe: int, grace_s: float) -> int:
     while True:
         current = descendants(pid)
         current.pop(me, None)
-        known = {p: s for p, s in known.items() if _same(p, s)}  # ended ones are dropped before pids are reused
+        # ended ones are dropped before their pids are reused; a child seen between its fork and its exec into a
+        # trainer is dropped once it shows as one
+        known = {p: s for p, s in known.items() if _same(p, s) and not _is_trainer(p)}
         known.update(current)
         ready, _, _ = select.select([pipe], [], [], POLL_S)
         if ready:
@@ -122,22 +128,25 @@ def start(grace_s: float = GRACE_S) -> subprocess.Popen | None:
         return None
     # run as a file (it needs only the standard library), so that it starts whatever the working directory and
     # path; in its own session, so that a Ctrl-C to the terminal's process group does not end it first
-    return subprocess.Popen([sys.executable, __file__, str(os.getpid()), "--grace", str(grace_s)],
+    # (-I: isolated, so that rlseq/, the script's folder, cannot shadow a standard module)
+    return subprocess.Popen([sys.executable, "-I", __file__, str(os.getpid()), "--grace", str(grace_s)],
                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True)
 
 
-def stop(reaper: subprocess.Popen | None) -> None:
-    """A normal end: the reaper exits without touching anything."""
+def stop(reaper: subprocess.Popen | None, *, reap: bool = False) -> None:
+    """A normal end: the reaper exits without touching anything; with ``reap`` (a start that failed midway) it
+    first ends what was started, as if this process had died."""
     if reaper is None:
         return
     try:
-        reaper.stdin.write(DONE)
+        if not reap:
+            reaper.stdin.write(DONE)
         reaper.stdin.close()
     except OSError:  # it is gone already
         pass
     try:
-        reaper.wait(timeout=10)
+        reaper.wait(timeout=10 + (GRACE_S if reap else 0))
     except subprocess.TimeoutExpired:
         reaper.kill()
         reaper.wait()

@@ -264,14 +264,11 @@ def _parse_gpus(text: str) -> list[str] | None:
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail fast where ``ray.init`` would wait: a ``HOST:PORT`` (or ``ray://HOST:PORT``) that accepts no TCP
     connection. ``auto`` (found by Ray itself) is left to Ray."""
-    import socket
-
     host, port = _host_port(address)
     if not host or port is None:
         return
-    try:
-        socket.create_connection((host, port), timeout=timeout_s).close()
-    except OSError as e:
+    e = _connect_error(host, port, timeout_s)
+    if e is not None:
         raise SweepError(f"--address {address}: nothing answers there ({e.strerror or e}); start the head node "
                          "with `ray start --head` on that host, or give its address as `ray start` printed it") from None
 
@@ -466,7 +463,7 @@ def _host_port(address: str) -> tuple[str, int | None]:
 
 
 def _is_loopback(host: str) -> bool:
-    return host in ("localhost", "::1") or host.startswith("127.")
+    return host in ("127.0.0.1", "localhost", "::1")  # the hosts Ray rewrites
 
 
 def _routable_ip() -> str:
@@ -481,14 +478,19 @@ def _routable_ip() -> str:
             return "127.0.0.1"
 
 
-def _answers(host: str, port: int, timeout_s: float = 2.0) -> bool:
+def _connect_error(host: str, port: int, timeout_s: float) -> OSError | None:
+    """Why a TCP connection to ``host:port`` fails, or None when something accepts it."""
     import socket
 
     try:
         socket.create_connection((host, port), timeout=timeout_s).close()
-        return True
-    except OSError:
-        return False
+    except OSError as e:
+        return e
+    return None
+
+
+def _answers(host: str, port: int, timeout_s: float = 2.0) -> bool:
+    return _connect_error(host, port, timeout_s) is None
 
 
 def _ray_env(res: Resources) -> dict[str, str]:
@@ -499,7 +501,7 @@ def _ray_env(res: Resources) -> dict[str, str]:
     if res.address is None:
         return {**LOOPBACK_ONLY, **({"CUDA_VISIBLE_DEVICES": ",".join(res.gpus)} if res.gpus is not None else {})}
     host, port = _host_port(res.address)
-    if _is_loopback(host) and port is not None:
+    if _is_loopback(host) and port is not None and not res.address.startswith("ray://"):  # Ray Client: no rewrite
         routable = _routable_ip()
         if not _is_loopback(routable) and not _answers(routable, port):
             return dict(LOOPBACK_ONLY)
@@ -512,7 +514,14 @@ def _start_ray(res: Resources) -> Any:
     its processes if the sweep is killed outright. :func:`_stop_ray` ends both."""
     import logging
 
+    global _reaper
     env = _ray_env(res)
+    if env.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0" and "ray" in sys.modules:
+        from ray._private import ray_constants
+
+        if ray_constants.ENABLE_RAY_CLUSTER:  # read at import: too late to keep Ray on the loopback
+            raise SweepError("ray was imported before rlseq.sweep could keep it on the loopback "
+                             "(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0); start the sweep in a fresh process")
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -521,7 +530,8 @@ def _start_ray(res: Resources) -> Any:
 
             ray.init(address=res.address, log_to_driver=False, logging_level=logging.WARNING)
             return ray
-        global _reaper
+        if _reaper is not None:  # a sweep run in-process before, whose end did not come through _stop_ray
+            reaper.stop(_reaper)
         _reaper = reaper.start()
         import ray
 
@@ -530,8 +540,8 @@ def _start_ray(res: Resources) -> Any:
             ray.init(address="local", num_cpus=max(cpus, res.cpus_per_run), num_gpus=len(res.gpus or []),
                      include_dashboard=False, _node_ip_address="127.0.0.1", object_store_memory=100 * 2**20,
                      log_to_driver=False, logging_level=logging.WARNING)
-        except BaseException:
-            reaper.stop(_reaper)
+        except BaseException:  # (Ctrl-C included) what ray.init had started before it failed is ended too
+            reaper.stop(_reaper, reap=True)
             _reaper = None
             raise
     finally:  # the caller's environment as it was (a later `ray start` in it must not see the switch)
@@ -554,9 +564,11 @@ _reaper = None  # the embedded Ray's reaper while it runs
 def _stop_ray(ray: Any) -> None:
     """Shut Ray down (and an embedded Ray's reaper, which then leaves everything alone)."""
     global _reaper
-    ray.shutdown()
-    reaper.stop(_reaper)
-    _reaper = None
+    try:
+        ray.shutdown()
+    finally:
+        reaper.stop(_reaper)
+        _reaper = None
 
 
 def _plan(ray: Any, res: Resources) -> tuple[float, int]:

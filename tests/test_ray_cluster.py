@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlseq import reaper
+
 REPO = Path(__file__).resolve().parents[1]
 TINY = {"n_envs": 2, "n_steps": 16, "n_minibatches": 2, "n_epochs": 1}
 POPGYM = "popgym-RepeatPreviousEasy-v0"
@@ -60,17 +62,7 @@ def _read(path: str) -> bytes:
 
 
 def _descendants(root: int) -> set[int]:
-    parent = {}
-    for pid in _pids():
-        stat = _read(f"/proc/{pid}/stat").decode(errors="replace")
-        if stat:
-            parent[pid] = int(stat.rsplit(")", 1)[1].split()[1])
-    found, grew = {root}, True
-    while grew:
-        new = {pid for pid, ppid in parent.items() if ppid in found} - found
-        found |= new
-        grew = bool(new)
-    return found
+    return {root, *reaper.descendants(root, trainers=True)}
 
 
 def _listening(pids: set[int]) -> list[tuple[int, str]]:

@@ -25,7 +25,7 @@ from rlseq import reaper
 r = reaper.start(grace_s=5.0)
 child = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
 print(child.stdout.readline().strip(), flush=True)
-time.sleep(1.5)  # the reaper's list takes it in
+time.sleep(3.0)  # the reaper (a new Python) has started and its list has taken it in
 if sys.argv[1] == "stop":
     reaper.stop(r)
 print("ready", flush=True)
@@ -34,11 +34,7 @@ time.sleep(300)
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
+    return reaper._stat(pid) is not None  # a zombie has ended
 
 
 def _gone_within(pid: int, seconds: float) -> bool:
@@ -90,15 +86,19 @@ def test_trainers_and_what_they_started_are_left_to_their_own_stop(monkeypatch):
             time.sleep(0.05)
         kids = sorted(reaper.descendants(parent.pid))
         assert len(kids) == 2
-        monkeypatch.setattr(reaper, "_is_trainer", lambda pid: pid == kids[0])
-        assert sorted(reaper.descendants(parent.pid)) == kids[1:]
+        exec_done = threading.Event()  # kids[0] becomes a trainer only after the reaper has seen it
+        monkeypatch.setattr(reaper, "_is_trainer", lambda pid: pid == kids[0] and exec_done.is_set())
         read, write = os.pipe()
         result: list[int] = []
         watcher = threading.Thread(target=lambda: result.append(reaper.watch(parent.pid, read, grace_s=5.0)))
         watcher.start()
-        time.sleep(1.0)
+        time.sleep(4 * reaper.POLL_S)  # seen while still its parent's fork
+        exec_done.set()
+        assert sorted(reaper.descendants(parent.pid)) == kids[1:]
+        time.sleep(4 * reaper.POLL_S)
         os.close(write)  # EOF without `done`: the watched process is taken to have died
         watcher.join(30)
+        os.close(read)
         assert result == [1]
         assert _gone_within(kids[1], 5) and _alive(kids[0])
     finally:

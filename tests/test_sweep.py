@@ -254,7 +254,8 @@ def test_a_loopback_address_keeps_ray_on_the_loopback_only_where_the_head_listen
     monkeypatch.setattr(S, "_answers", lambda host, port, timeout_s=2.0: host in answering)
     head = S.Resources(address="127.0.0.1:6379")
     assert S._ray_env(head) == S.LOOPBACK_ONLY  # `ray start --head --node-ip-address 127.0.0.1`
-    assert S._ray_env(S.Resources(address="ray://localhost:10001")) == S.LOOPBACK_ONLY
+    assert S._ray_env(S.Resources(address="localhost:6379")) == S.LOOPBACK_ONLY
+    assert S._ray_env(S.Resources(address="ray://127.0.0.1:10001")) == {}  # Ray Client rewrites nothing
     answering.add("192.0.2.7")  # a plain `ray start --head`: Ray's own rewrite reaches it
     assert S._ray_env(head) == {}
     assert S._ray_env(S.Resources(address="10.1.2.3:6379")) == {} and S._ray_env(S.Resources(address="auto")) == {}
@@ -455,6 +456,7 @@ def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
 
     path = _sweep_file(tmp_path, flags={"total_steps": 1_000_000, **TINY})
     run = tmp_path / "runs" / "caveflyer" / "efla-tiny" / "seed0"
+    ray_processes: dict[int, int] = {}
     sweep = subprocess.Popen([sys.executable, "-m", "rlseq.sweep", *_cpu(path)], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, env=dict(os.environ))
     pid = None
@@ -484,6 +486,9 @@ def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
             sweep.wait()
         if pid is not None and _alive(pid):  # a failed check must not leave it training
             os.kill(pid, signal.SIGKILL)
+        for p, t in ray_processes.items():  # nor leave the processes it looked for
+            if reaper._same(p, t):
+                os.kill(p, signal.SIGKILL)
 
 
 def test_two_sweeps_over_one_tree_train_each_run_once_and_record_none_as_failed(tmp_path):

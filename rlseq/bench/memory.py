@@ -265,11 +265,14 @@ def _write_json(path: Path, doc: dict[str, Any]) -> None:
 
 # ----------------------------------------------------------------------------------------------------- worker
 _IN_RUN = False  # a worker's: whether run_one is running
+_STOPPING = False  # a worker's: it was told to stop, so a run the pool had already queued for it does not start
 
 
 def _on_stop(signum: int, frame: Any) -> None:
     # in a run, rlseq.sweep._train_once passes the interrupt on to the trainer; an idle worker (waiting for its
     # next run) has nothing to save and leaves quietly instead of printing a KeyboardInterrupt traceback
+    global _STOPPING
+    _STOPPING = True
     if _IN_RUN:
         raise KeyboardInterrupt
     raise SystemExit(0)
@@ -289,6 +292,8 @@ def run_one(spec: dict[str, Any]) -> dict[str, Any]:
     """Train (unless finished), evaluate and write one run's result; returns ``{"name", "state", ...}`` with
     state ``done``, ``failed`` (with ``reason`` and ``log_tail``) or ``stopped``. Runs in a worker process."""
     global _IN_RUN
+    if _STOPPING:
+        return {"name": spec["name"], "state": "stopped"}
     _IN_RUN = True
     try:
         return _run_one(spec)
@@ -432,22 +437,41 @@ def execute(runs: list[BenchRun], out: Path, logdir: Path, *, jobs: int, episode
             bar.refresh()
         if stop:
             bar.write(f"stopping ({signal.Signals(stop[0]).name}): the running trainers keep their last checkpoint; "
-                      "the same command resumes them")
+                      "the same command resumes them (a second signal kills them)")
             for fut in pending:
                 fut.cancel()
             for proc in ctx.active_children():
-                proc.terminate()  # the worker passes it on to its trainer as SIGINT
-            for fut in [f for f in pending if not f.cancelled()]:
-                try:
-                    _collect(fut, futures[fut], answers, finished, bar)
-                except Exception:  # noqa: BLE001  (a worker that died while stopping leaves its run to resume)
-                    pass
+                proc.terminate()  # the worker passes it on to its trainer as SIGTERM
+            pending = {f for f in pending if not f.cancelled()}
+            while pending:
+                done, pending = wait(pending, timeout=poll_s)
+                for fut in done:
+                    try:
+                        _collect(fut, futures[fut], answers, finished, bar)
+                    except Exception:  # noqa: BLE001  (a worker that died while stopping leaves its run to resume)
+                        pass
+                if len(stop) > 1:  # someone is done waiting for the stop checkpoints
+                    _kill_tree(ctx.active_children())
+                    break
+        pool.shutdown(wait=True, cancel_futures=True)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True, cancel_futures=True)  # after an error in the loop (a no-op after the one above)
         bar.close()
     return answers
+
+
+def _kill_tree(workers: list[Any]) -> None:
+    """SIGKILL the workers and the trainers they started (each trainer's last checkpoint is what remains)."""
+    from rlseq.reaper import descendants
+
+    for proc in workers:
+        for pid in [*descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
 
 
 def _collect(fut: Any, run: BenchRun, answers: dict[str, list[dict[str, Any]]], finished: set[BenchRun],
