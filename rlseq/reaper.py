@@ -5,9 +5,8 @@ parent), but the raylet's agents (``ray::DashboardAgent``, ``ray::RuntimeEnvAgen
 minutes, one of them listening on 127.0.0.1. A reaper is a small process beside the sweep that keeps a list of
 the sweep's descendants (Linux ``/proc``) and, when the sweep's end of a pipe closes without a word, stops those
 still running: SIGTERM, then SIGKILL after a few seconds (an agent that lost its raylet takes minutes over
-SIGTERM). Trainers (``python -m rlseq.train``) and what they
-started are left alone: they get SIGTERM from their own parent-death signal, and a second one would abort their
-stop checkpoint. A sweep that ends normally says ``done`` first and the reaper exits without touching anything.
+SIGTERM). Trainers (``python -m rlseq.train``) and what they started are left alone: they get SIGTERM from their
+own parent-death signal, and a second one would abort their stop checkpoint. A sweep that ends normally says ``done`` first and the reaper exits without touching anything.
 
     python -m rlseq.reaper PID [--grace S]     # stdin: the pipe from PID (or python path/to/reaper.py ...)
 """
@@ -79,7 +78,8 @@ def _same(pid: int, start: int) -> bool:
 
 def reap(known: dict[int, int], grace_s: float) -> list[int]:
     """SIGTERM each process of ``known`` that is still the same process, SIGKILL those left after ``grace_s``;
-    returns the pids signalled."""
+    returns the pids signalled. A trainer is skipped here too: one seen between its fork and its exec was listed
+    under its parent's name."""
     hit = [pid for pid, start in known.items() if _same(pid, start) and not _is_trainer(pid)]
     for pid in hit:
         _signal(pid, signal.SIGTERM)
@@ -108,9 +108,7 @@ def watch(pid: int, pipe: int, grace_s: float) -> int:
     while True:
         current = descendants(pid)
         current.pop(me, None)
-        # ended ones are dropped before their pids are reused; a child seen between its fork and its exec into a
-        # trainer is dropped once it shows as one
-        known = {p: s for p, s in known.items() if _same(p, s) and not _is_trainer(p)}
+        known = {p: s for p, s in known.items() if _same(p, s)}  # ended ones go before their pids are reused
         known.update(current)
         ready, _, _ = select.select([pipe], [], [], POLL_S)
         if ready:

@@ -530,8 +530,6 @@ def _start_ray(res: Resources) -> Any:
 
             ray.init(address=res.address, log_to_driver=False, logging_level=logging.WARNING)
             return ray
-        if _reaper is not None:  # a sweep run in-process before, whose end did not come through _stop_ray
-            reaper.stop(_reaper)
         _reaper = reaper.start()
         import ray
 

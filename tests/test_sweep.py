@@ -413,11 +413,7 @@ def test_a_failed_run_is_recorded_with_its_log_and_the_others_still_run(tmp_path
 
 
 def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
-    except FileNotFoundError:
-        return False
+    return reaper._stat(pid) is not None  # a zombie has ended
 
 
 @pytest.mark.parametrize("code,rc,stopped", [("raise SystemExit(143)", 143, True), ("raise SystemExit(130)", 130, True),

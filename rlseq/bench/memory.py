@@ -453,11 +453,10 @@ def execute(runs: list[BenchRun], out: Path, logdir: Path, *, jobs: int, episode
                 if len(stop) > 1:  # someone is done waiting for the stop checkpoints
                     _kill_tree(ctx.active_children())
                     break
-        pool.shutdown(wait=True, cancel_futures=True)
     finally:
+        pool.shutdown(wait=True, cancel_futures=True)  # before the handlers go back: a signal now only adds to stop
         for s, h in old.items():
             signal.signal(s, h)
-        pool.shutdown(wait=True, cancel_futures=True)  # after an error in the loop (a no-op after the one above)
         bar.close()
     return answers
 
