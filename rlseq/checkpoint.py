@@ -31,6 +31,26 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.vec_env import VecNormalize
 
 
+def read_numpy2_pickles() -> None:
+    """Let numpy 1.x read what numpy 2 pickled: a checkpoint written on one machine, resumed on another.
+
+    numpy 2 renamed ``numpy.core`` to ``numpy._core``, and its pickles name the new modules (every array that
+    SB3's cloudpickle writes names ``numpy._core.numeric._frombuffer``). numpy 2 still reads numpy 1's names;
+    numpy 1.26 carries stubs for only a few of the new ones, and fails on the rest with ``ModuleNotFoundError:
+    numpy._core.numeric``. Each missing ``numpy._core.X`` is aliased to numpy 1's ``numpy.core.X``, the module of
+    the same contents. Nothing changes under numpy 2. Called when this module is imported."""
+    if int(np.__version__.split(".")[0]) >= 2:
+        return
+    import sys
+
+    for name, module in list(sys.modules.items()):
+        if name.startswith("numpy.core.") and module is not None:
+            sys.modules.setdefault("numpy._core." + name[len("numpy.core."):], module)
+
+
+read_numpy2_pickles()
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     """Write ``text`` to a temporary sibling, fsync it, and rename it onto ``path``: readers see the old or the
     new file, never a torn one."""

@@ -876,3 +876,36 @@ def test_a_logdir_that_is_a_file_is_one_error_line_and_the_file_is_kept(tmp_path
     assert _one_error(capsys) == (f"error: --logdir {logdir}: {logdir} is a file, so the run folder {_folder(logdir)} "
                                   "cannot be made; give a folder (or a path that does not exist yet)")
     assert logdir.read_text() == "notes\n"
+
+
+def _as_numpy2_pickle(data: bytes) -> bytes:
+    """A protocol-5 pickle of one frame with numpy 1's module names rewritten to numpy 2's (``numpy._core``), the
+    frame's length fixed up: what numpy 2 writes for the same array."""
+    assert data[:3] == b"\x80\x05\x95"
+    old = b"numpy.core.numeric"
+    body = data[11:].replace(bytes([0x8C, len(old)]) + old, bytes([0x8C, len(old) + 1]) + b"numpy._core.numeric")
+    return data[:3] + len(body).to_bytes(8, "little") + body
+
+
+def test_a_numpy_2_pickle_reads_back_once_rlseq_checkpoint_is_imported():
+    """Checkpoints move between machines (a GPU host's numpy 2, a CPU machine's numpy 1.26): model.zip, rng.pt and
+    vecnormalize.pkl hold numpy pickles. In a fresh interpreter, a numpy 2 pickle of an array fails to load under
+    numpy 1 until rlseq.checkpoint is imported, and loads after."""
+    code = f"""
+import pickle, numpy as np
+from tests.test_reliability import _as_numpy2_pickle
+data = _as_numpy2_pickle(pickle.dumps(np.arange(3.0), protocol=5))
+assert b"numpy._core.numeric" in data or b"numpy._core" in data
+if int(np.__version__.split(".")[0]) < 2:
+    try:
+        pickle.loads(data)
+    except ModuleNotFoundError as e:
+        assert "numpy._core.numeric" in str(e), e
+    else:
+        raise AssertionError("numpy 1 read a numpy 2 pickle without help: the test shows nothing")
+import rlseq.checkpoint
+assert pickle.loads(data).tolist() == [0.0, 1.0, 2.0]
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
