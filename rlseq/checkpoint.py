@@ -38,14 +38,49 @@ def read_numpy2_pickles() -> None:
     SB3's cloudpickle writes names ``numpy._core.numeric._frombuffer``). numpy 2 still reads numpy 1's names;
     numpy 1.26 carries stubs for only a few of the new ones, and fails on the rest with ``ModuleNotFoundError:
     numpy._core.numeric``. Each missing ``numpy._core.X`` is aliased to numpy 1's ``numpy.core.X``, the module of
-    the same contents. Nothing changes under numpy 2. Called when this module is imported."""
+    the same contents. numpy 2 also pickles random generators (the spaces' ``np_random`` in model.zip) by their
+    bit generator's class or instance where numpy 1 wrote its name: numpy 1's three unpickling helpers are given
+    numpy 2's reading of their argument. Nothing changes under numpy 2. Called when this module is imported."""
     if int(np.__version__.split(".")[0]) >= 2:
         return
     import sys
 
+    import numpy.random._pickle as random_pickle
+
     for name, module in list(sys.modules.items()):
         if name.startswith("numpy.core.") and module is not None:
             sys.modules.setdefault("numpy._core." + name[len("numpy.core."):], module)
+    if getattr(random_pickle, "_rlseq_reads_numpy2", False):
+        return
+    bit_generator_ctor = getattr(random_pickle, "__bit_generator_ctor")
+    reading: dict[type, type] = {}
+
+    def numpy2_state(cls: type) -> type:
+        """``cls`` reading numpy 2's pickled state, ``(state dict, seed sequence)``, as well as numpy 1's dict."""
+        if cls not in reading:
+            def __setstate__(self: Any, state: Any) -> None:
+                cls.__setstate__(self, state[0] if isinstance(state, tuple) else state)
+            reading[cls] = type(cls.__name__, (cls,), {"__setstate__": __setstate__, "__module__": cls.__module__})
+        return reading[cls]
+
+    def bit_generator(arg: Any = "MT19937") -> Any:
+        if isinstance(arg, np.random.BitGenerator):  # numpy 2: the bit generator itself
+            return arg
+        if isinstance(arg, type):  # numpy 2: its class, then its state as (dict, seed sequence)
+            return numpy2_state(arg)()
+        return bit_generator_ctor(arg)  # numpy 1: its name
+
+    def generator(arg: Any = "MT19937", ctor: Any = bit_generator) -> Any:
+        return np.random.Generator(ctor(arg))
+
+    def random_state(arg: Any = "MT19937", ctor: Any = bit_generator) -> Any:
+        return np.random.RandomState(ctor(arg))
+
+    for name, fn in (("__bit_generator_ctor", bit_generator), ("__generator_ctor", generator),
+                     ("__randomstate_ctor", random_state)):
+        fn.__module__, fn.__name__, fn.__qualname__ = random_pickle.__name__, name, name  # pickled as numpy's own
+        setattr(random_pickle, name, fn)
+    random_pickle._rlseq_reads_numpy2 = True
 
 
 read_numpy2_pickles()
