@@ -49,6 +49,8 @@ RULES: list[tuple[str, str | list[str]]] = [
     (r"-m rlseq\.bench memory --quick", TINY_BENCH_MEMORY),
     (r"-m rlseq\.bench memory", TINY_BENCH_MEMORY + ["--tasks", "popgym-RepeatPreviousEasy-v0", "--variants", "none",
                                                      "sb3-lstm", "--seeds", "0", "--out", "runs/tiny_grid"]),
+    (r"-m rlseq\.bench recall", ["--steps", "3", "--length", "20", "--d-model", "16", "--eval-sequences", "4",
+                                 "--jobs", "2"]),
     (r"-m rlseq\.bench kernels", ["--shapes", "1,20,1,8", "--repeats", "1"]),
     (r"-m rlseq\.bench envs", ["--n-envs", "2", "--steps", "4", "--warmup", "1", "--repeats", "1"]),
     (r"-m rlseq\.bench train", ["--n-envs", "2", "--n-steps", "8", "--n-minibatches", "1", "--n-epochs", "1",

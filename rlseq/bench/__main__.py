@@ -13,6 +13,7 @@ SUITES = {
     "envs": ("rlseq.bench.envs", "procgen vector env steps/s with and without the scale wrappers"),
     "train": ("rlseq.bench.train", "end-to-end env-steps/s of training per memory"),
     "memory": ("rlseq.bench.memory", "does each memory remember: PPO on POPGym tasks per memory, IQM report"),
+    "recall": ("rlseq.bench.recall", "how far back each memory block recalls when taught directly (supervised)"),
 }
 
 
