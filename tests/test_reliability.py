@@ -887,36 +887,44 @@ def _as_numpy2_pickle(data: bytes) -> bytes:
     return data[:3] + len(body).to_bytes(8, "little") + body
 
 
-def test_a_numpy_2_pickle_reads_back_once_rlseq_checkpoint_is_imported():
-    """Checkpoints move between machines (a GPU host's numpy 2, a CPU machine's numpy 1.26): model.zip, rng.pt and
-    vecnormalize.pkl hold numpy pickles. In a fresh interpreter, a numpy 2 pickle of an array fails to load under
-    numpy 1 until rlseq.checkpoint is imported, and loads after."""
+def _numpy2_pickle_reads_back(make: str, error: str, message: str, check: str) -> None:
+    """In a fresh interpreter: ``make`` (Python) builds ``data``, a numpy 2 pickle; under numpy 1 loading it must
+    raise ``error`` naming ``message`` (else the test would show nothing), and after ``import rlseq.checkpoint``
+    ``check`` (Python, on ``pickle.loads(data)`` as ``restored``) must pass."""
     code = f"""
 import pickle, numpy as np
-from tests.test_reliability import _as_numpy2_pickle
-data = _as_numpy2_pickle(pickle.dumps(np.arange(3.0), protocol=5))
-assert b"numpy._core.numeric" in data or b"numpy._core" in data
+{make}
 if int(np.__version__.split(".")[0]) < 2:
     try:
         pickle.loads(data)
-    except ModuleNotFoundError as e:
-        assert "numpy._core.numeric" in str(e), e
+    except {error} as e:
+        assert {message!r} in str(e), e
     else:
         raise AssertionError("numpy 1 read a numpy 2 pickle without help: the test shows nothing")
 import rlseq.checkpoint
-assert pickle.loads(data).tolist() == [0.0, 1.0, 2.0]
+restored = pickle.loads(data)
+{check}
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
+def test_a_numpy_2_pickle_reads_back_once_rlseq_checkpoint_is_imported():
+    """Checkpoints move between machines (a GPU host's numpy 2, a CPU machine's numpy 1.26): model.zip, rng.pt and
+    vecnormalize.pkl hold numpy pickles. A numpy 2 pickle of an array fails to load under numpy 1 until
+    rlseq.checkpoint is imported, and loads after."""
+    _numpy2_pickle_reads_back(
+        "from tests.test_reliability import _as_numpy2_pickle\n"
+        "data = _as_numpy2_pickle(pickle.dumps(np.arange(3.0), protocol=5))",
+        "ModuleNotFoundError", "numpy._core.numeric", "assert restored.tolist() == [0.0, 1.0, 2.0]")
+
+
 def test_a_numpy_2_pickle_of_a_random_generator_reads_back_once_rlseq_checkpoint_is_imported():
     """model.zip pickles the spaces with their np_random. numpy 2 pickles a Generator as its bit generator, and the
     bit generator as its class and (state, seed sequence), where numpy 1 wrote a name and a state dict (numpy 1.26
     fails: "<class ...PCG64> is not a known BitGenerator module"). Built here as numpy 2 writes it."""
-    code = """
-import pickle, numpy as np
+    make = """
 import numpy.random._pickle as rp
 source = np.random.Generator(np.random.PCG64(7))
 class BitGenerator2:  # numpy 2's BitGenerator.__reduce__
@@ -926,21 +934,12 @@ class Generator2:  # numpy 2's Generator.__reduce__
     def __reduce__(self):
         return getattr(rp, "__generator_ctor"), (BitGenerator2(),), None
 data = pickle.dumps(Generator2())
-if int(np.__version__.split(".")[0]) < 2:
-    try:
-        pickle.loads(data)
-    except ValueError as e:
-        assert "is not a known BitGenerator" in str(e), e
-    else:
-        raise AssertionError("numpy 1 read numpy 2's generator pickle without help: the test shows nothing")
-import rlseq.checkpoint
-restored = pickle.loads(data)
+"""
+    check = """
 assert restored.random(3).tolist() == source.random(3).tolist()
 again = pickle.dumps(restored)  # and what numpy 1 writes from it is numpy's own pickle, not rlseq's
 assert b"rlseq" not in again and pickle.loads(again).random() == restored.random()
 legacy = np.random.RandomState(3)
 assert pickle.loads(pickle.dumps(legacy)).rand() == legacy.rand()
-print("ok")
 """
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    _numpy2_pickle_reads_back(make, "ValueError", "is not a known BitGenerator", check)
