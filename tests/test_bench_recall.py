@@ -12,6 +12,8 @@ from rlseq.bench.__main__ import main as bench_main
 
 # small enough for CI: a few seconds per cell on one core
 TINY = R.RecallSettings(length=16, batch=32, steps=150, eval_sequences=128, d_model=32)
+# a CLI call that must stop before running anything still gets a budget that would end at once
+TINY_FLAGS = ["--variants", "none", "--lags", "1", "--seeds", "0", "--steps", "1", "--length", "4", "--jobs", "1"]
 
 
 def test_the_window_shows_in_the_memoryless_control():
@@ -42,8 +44,10 @@ def test_bad_input_gets_a_clear_error():
         R.run_grid(["eflaa"], [1], [0], TINY)
     with pytest.raises(ValueError, match=r"lag\(s\) 16 outside \[1, length=16\)"):
         R.run_grid(["none"], [1, 16], [0], TINY)
+    with pytest.raises(ValueError, match="efla: .*unexpected keyword argument 'n_head'"):
+        R.run_grid(["efla"], [1], [0], R.RecallSettings(memory_kwargs={"efla": {"n_head": 2}}))
     with pytest.raises(SystemExit, match="--symbols must be >= 2"):
-        bench_main(["recall", "--symbols", "1"])
+        bench_main(["recall", "--symbols", "1", *TINY_FLAGS])
 
 
 def test_the_cli_prints_the_table_and_writes_every_record(tmp_path, capsys):
@@ -77,7 +81,7 @@ def test_a_config_s_memory_kwargs_reach_the_blocks_and_its_other_entries_are_nam
     assert (no_window.residual, no_window.n_heads, no_window.conv.kernel_size) == (False, 2, 1)
     config.write_text("popgym:\n  memory_kwargs: [1, 2]\n")
     with pytest.raises(SystemExit, match="memory_kwargs must map memory names"):
-        bench_main(["recall", "--config", str(config)])
+        bench_main(["recall", "--config", str(config), *TINY_FLAGS])
 
 
 def test_the_same_command_again_runs_only_the_missing_cells_and_other_settings_are_refused(tmp_path, capsys):
@@ -93,6 +97,19 @@ def test_the_same_command_again_runs_only_the_missing_cells_and_other_settings_a
     assert "none L=1   seed 0" not in printed and "none L=1   seed 1" in printed
     records = json.loads(out.read_text())["records"]
     assert records[0] == first[0] and [r["seed"] for r in records] == [0, 1]
+    assert argv[5:7] == ["--steps", "5"]
     with pytest.raises(SystemExit, match=r"other settings \(steps differ\)"):
-        bench_main([*argv[:5], "6", *argv[6:], "--seeds", "0"])
+        bench_main([*argv[:6], "6", *argv[7:], "--seeds", "0"])
     assert json.loads(out.read_text())["records"] == records
+    body = json.loads(out.read_text())
+    body["records"][0]["torch"] = "0.0.1"
+    out.write_text(json.dumps(body))
+    with pytest.raises(SystemExit, match="cells made under torch 0.0.1"):
+        bench_main([*argv, "--seeds", "0"])
+
+
+def test_a_cell_named_twice_runs_once_and_the_records_come_in_grid_order():
+    settings = R.RecallSettings(length=6, batch=4, steps=2, eval_sequences=4, d_model=8)
+    records = R.run_grid(["none", "none", "none-conv1"], [2, 1, 2], [1, 0, 1], settings, jobs=2)
+    assert [(r["variant"], r["lag"], r["seed"]) for r in records] == [
+        (v, lag, s) for s in (1, 0) for lag in (2, 1) for v in ("none", "none-conv1")]

@@ -6,8 +6,8 @@ whether the memory can hold the answer at all. Each variant is the block every p
 It reads sequences of random symbols (one-hot, ``--symbols`` of them: RepeatPrevious's four suits by default), and
 a linear head on its output is trained by cross-entropy to name the symbol seen ``L`` steps before, at every step
 ``t >= L`` (RepeatPreviousLag L without RL). No exploration, no credit assignment, no value gradient: what a memory
-does not learn here, PPO will not get from it either, and what it does learn here but not under PPO points at
-the training. Every sequence starts from the zero state (a reset at t = 0), as an episode does.
+does not learn here at this budget, PPO is unlikely to get from it, and what it does learn here but not under PPO
+points at the training. Every sequence starts from the zero state (a reset at t = 0), as an episode does.
 
 Reported: accuracy on fresh sequences (chance ``1 / symbols``) per variant and lag, the mean over seeds and each
 seed's. Deterministic on the CPU for a given seed, torch version and thread count (one thread per job).
@@ -23,7 +23,8 @@ import json
 import os
 import platform
 import time
-from concurrent.futures import ProcessPoolExecutor
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -112,22 +113,35 @@ def recall_cell(variant: str, lag: int, seed: int, settings: RecallSettings) -> 
         logits, target = logits_and_targets(*_sequences(settings.eval_sequences, settings, test))
         accuracy = (logits.argmax(-1) == target).float().mean().item()
     return {"variant": variant, "lag": lag, "seed": seed, "accuracy": accuracy, "loss": loss.item(),
-            "params": sum(p.numel() for p in params), "wall_s": time.perf_counter() - t0}
+            "params": sum(p.numel() for p in params), "wall_s": time.perf_counter() - t0, "torch": torch.__version__}
 
 
 def _worker(cell: tuple[str, int, int, RecallSettings]) -> dict[str, Any]:
-    torch.set_num_threads(1)  # one core per job, and the same floating-point reductions in every job
-    return recall_cell(*cell)
+    """One cell on one thread (the same floating-point reductions in every job), leaving the calling process's
+    thread count and random state as they were."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            return recall_cell(*cell)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_grid(variant_names: list[str], lags: list[int], seeds: list[int], settings: RecallSettings, *,
              jobs: int = 1, on_result=None, done: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
     """Every (variant, lag, seed) cell, ``jobs`` side by side; ``on_result(record)`` as each one ends. Cells with a
     record in ``done`` (made with the same ``settings``) are not run again; their records are returned too."""
+    variant_names, lags, seeds = (list(dict.fromkeys(x)) for x in (variant_names, lags, seeds))  # no cell twice
     known = variants()
     unknown = [v for v in variant_names if v not in known]
     if unknown:
         raise ValueError(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+    for v in variant_names:  # a keyword a block does not take fails here, before any cell runs
+        try:
+            _memory(v, settings)
+        except TypeError as e:
+            raise ValueError(f"{v}: {e}") from None
     bad = [lag for lag in lags if not 1 <= lag < settings.length]
     if bad:
         raise ValueError(f"lag(s) {', '.join(map(str, bad))} outside [1, length={settings.length}): a lag must "
@@ -142,12 +156,17 @@ def run_grid(variant_names: list[str], lags: list[int], seeds: list[int], settin
             if on_result:
                 on_result(records[-1])
         return records
-    with ProcessPoolExecutor(max_workers=min(jobs, len(cells))) as pool:
-        for record in pool.map(_worker, cells):
-            records.append(record)
+    # spawned, not forked: no fork of a process that may hold torch's threads; each record as its cell ends
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(cells)), mp_context=multiprocessing.get_context("spawn"))
+    try:
+        for future in as_completed([pool.submit(_worker, cell) for cell in cells]):
+            records.append(future.result())  # a failed cell raises here; the finished ones are already kept
             if on_result:
-                on_result(record)
-    return records
+                on_result(records[-1])
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+    order = {key: i for i, key in enumerate(wanted)}
+    return sorted(records, key=lambda r: order[(r["variant"], r["lag"], r["seed"])])
 
 
 def table(records: list[dict[str, Any]], symbols: int) -> str:
@@ -226,7 +245,8 @@ def main(args: argparse.Namespace) -> None:
     path = Path(args.out) if args.out else None
     saved = _saved_records(path, settings) if path else []
     if saved:
-        print(f"{path}: {len(saved)} cell(s) already there, made with the same settings: not run again")
+        print(f"{path}: {len(saved)} cell(s) already there, made with the same settings: those of this grid are "
+              "not run again")
     records = list(saved)
 
     def keep(r: dict[str, Any]) -> None:
@@ -256,20 +276,27 @@ def _saved_records(path: Path, settings: RecallSettings) -> list[dict[str, Any]]
         return []
     try:
         body = json.loads(path.read_text())
-        saved_settings, records = body["settings"], list(body["records"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+        saved_settings, records = dict(body["settings"]), [dict(r) for r in body["records"]]
+        for r in records:
+            r["variant"], r["lag"], r["seed"], r["accuracy"]  # noqa: B018  (a record has these)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SystemExit(f"error: {path} is not a recall probe's output ({type(e).__name__}: {e}); give another "
                          "--out") from None
-    if saved_settings != asdict(settings):
-        differ = sorted(k for k in asdict(settings) if saved_settings.get(k) != asdict(settings)[k])
+    now = asdict(settings)
+    if saved_settings != now:
+        differ = sorted(k for k in {*now, *saved_settings} if saved_settings.get(k) != now.get(k))
         raise SystemExit(f"error: {path} holds cells made with other settings ({', '.join(differ)} differ): "
                          "results of different settings are not mixed; give another --out")
+    versions = sorted({r.get("torch", body.get("torch")) for r in records} - {torch.__version__}, key=str)
+    if versions:
+        raise SystemExit(f"error: {path} holds cells made under torch {', '.join(map(str, versions))}, this is "
+                         f"{torch.__version__}: a cell repeats only under the same version; give another --out")
     return records
 
 
 def _write(path: Path, settings: RecallSettings, records: list[dict[str, Any]]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    body = {"settings": asdict(settings), "torch": torch.__version__, "records": records}
+    body = {"settings": asdict(settings), "records": records}
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(body, indent=1) + "\n")
     tmp.replace(path)
