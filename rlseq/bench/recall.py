@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import platform
 import time
-import multiprocessing
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -175,7 +175,7 @@ def table(records: list[dict[str, Any]], symbols: int) -> str:
     names = list(dict.fromkeys(r["variant"] for r in records))
     lines = ["| variant | params | " + " | ".join(f"L={lag}" for lag in lags) + " |",
              "|---|---:|" + "---:|" * len(lags),
-             f"| chance | | " + " | ".join(f"{1 / symbols:.2f}" for _ in lags) + " |"]
+             "| chance | | " + " | ".join(f"{1 / symbols:.2f}" for _ in lags) + " |"]
     for name in names:
         cells = []
         for lag in lags:
