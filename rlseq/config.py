@@ -161,7 +161,7 @@ _POSITIVE = _whole(1)
 MEMORY_VALUES: dict[str, Callable[[Any], Any]] = {
     **dict.fromkeys(("d_model", "conv_size", "n_heads", "head_dim", "value_dim", "hidden_size", "num_layers",
                      "chunk_size"), _POSITIVE),
-    **dict.fromkeys(("residual", "query_norm", "allow_negative_eigenvalues", "bias"), _boolean),
+    **dict.fromkeys(("query_norm", "allow_negative_eigenvalues", "bias"), _boolean),
     "beta_bias_init": _real(-MAX_SCALE), "forget_bias": _real(-MAX_SCALE), "dropout": _real(0, 1),
     "key_norm_cap": _real(0, MAX_SCALE, above=True),
 }
@@ -172,7 +172,7 @@ def memory_kwargs_problems(memory_kwargs: dict, where: str) -> list[str]:
     memory would refuse: an unknown memory or keyword, or a value out of range. Checked against the constructors'
     signatures (:func:`memory_keywords`), so nothing is built."""
     from rlseq.kernels.api import BACKENDS
-    from rlseq.policies.memory import MEMORIES, RECURRENT_INITS
+    from rlseq.policies.memory import JOINS, MEMORIES, RECURRENT_INITS
 
     problems = []
     for name, kwargs in memory_kwargs.items():
@@ -199,6 +199,8 @@ def memory_kwargs_problems(memory_kwargs: dict, where: str) -> list[str]:
                     kwargs[key] = MEMORY_VALUES[key](value)
                 elif key == "recurrent_init" and value not in RECURRENT_INITS:
                     raise ValueError(f"is not valid; valid: {', '.join(RECURRENT_INITS)}")
+                elif key == "join" and value not in JOINS:
+                    raise ValueError(f"is not valid; valid: {', '.join(JOINS)}")
                 elif key == "backend" and value not in BACKENDS:
                     raise ValueError(f"is not valid; valid: {', '.join(BACKENDS)} or null (the best available)")
             except ValueError as e:

@@ -201,7 +201,7 @@ def test_an_ablation_config_reaches_every_run(tmp_path, capsys):
     from rlseq.train import build_parser, resolve
 
     cfg_file = tmp_path / "ablation.yml"
-    cfg_file.write_text("popgym:\n  learning_rate: 1.0e-3\n  memory_kwargs: {gru: {residual: false}}\n")
+    cfg_file.write_text("popgym:\n  learning_rate: 1.0e-3\n  memory_kwargs: {gru: {join: read}}\n")
     common = ["memory", "--dry-run", "--tasks", T1, "--variants", "gru", "--seeds", "0", "--steps", "1000",
               "--out", str(tmp_path / "out"), "--logdir", str(tmp_path / "runs")]
     bench_main([*common, "--config", str(cfg_file)])
@@ -209,7 +209,7 @@ def test_an_ablation_config_reaches_every_run(tmp_path, capsys):
     argv = line.split("python -m rlseq.train ")[1].split()
     assert argv[argv.index("--config") + 1] == str(cfg_file.resolve())
     cfg = resolve(build_parser().parse_args(argv))
-    assert cfg["learning_rate"] == 1e-3 and cfg["memory_kwargs"] == {"residual": False}
+    assert cfg["learning_rate"] == 1e-3 and cfg["memory_kwargs"] == {"join": "read"}
     assert cfg["n_envs"] == 8  # the rest stays configs/popgym.yml's
     with pytest.raises(SystemExit, match="no such file"):
         bench_main([*common, "--config", str(tmp_path / "missing.yml")])

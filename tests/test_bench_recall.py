@@ -69,16 +69,16 @@ def test_the_cli_prints_the_table_and_writes_every_record(tmp_path, capsys):
 
 def test_a_config_s_memory_kwargs_reach_the_blocks_and_its_other_entries_are_named(tmp_path, capsys):
     config = tmp_path / "ablation.yml"
-    config.write_text("popgym:\n  learning_rate: 1.0e-3\n  memory_kwargs:\n    efla: {residual: false, n_heads: 2}\n")
+    config.write_text("popgym:\n  learning_rate: 1.0e-3\n  memory_kwargs:\n    efla: {join: read, n_heads: 2}\n")
     out = tmp_path / "recall.json"
     bench_main(["recall", "--variants", "efla", "efla-conv1", "--lags", "1", "--seeds", "0", "--steps", "2",
                 "--length", "8", "--d-model", "16", "--jobs", "1", "--config", str(config), "--out", str(out)])
     assert f"{config}: not used by the recall probe: learning_rate" in capsys.readouterr().out
-    assert json.loads(out.read_text())["settings"]["memory_kwargs"] == {"efla": {"residual": False, "n_heads": 2}}
-    settings = R.RecallSettings(d_model=16, memory_kwargs={"efla": {"residual": False, "n_heads": 2}})
+    assert json.loads(out.read_text())["settings"]["memory_kwargs"] == {"efla": {"join": "read", "n_heads": 2}}
+    settings = R.RecallSettings(d_model=16, memory_kwargs={"efla": {"join": "read", "n_heads": 2}})
     block, no_window = R._memory("efla", settings), R._memory("efla-conv1", settings)
-    assert (block.residual, block.n_heads, block.conv.kernel_size) == (False, 2, 4)
-    assert (no_window.residual, no_window.n_heads, no_window.conv.kernel_size) == (False, 2, 1)
+    assert (block.join, block.n_heads, block.conv.kernel_size) == ("read", 2, 4)
+    assert (no_window.join, no_window.n_heads, no_window.conv.kernel_size) == ("read", 2, 1)
     config.write_text("popgym:\n  memory_kwargs: [1, 2]\n")
     with pytest.raises(SystemExit, match="memory_kwargs must map memory names"):
         bench_main(["recall", "--config", str(config), *TINY_FLAGS])

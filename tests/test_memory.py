@@ -22,6 +22,7 @@ import sys  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from rlseq.kernels.naive import naive_step  # noqa: E402
@@ -35,7 +36,7 @@ from rlseq.policies import (  # noqa: E402
     NoMemory,
     make_memory,
 )
-from rlseq.policies.memory import ActorCriticMemory, GRUMemory  # noqa: E402
+from rlseq.policies.memory import JOINS, ActorCriticMemory, GRUMemory  # noqa: E402
 from rlseq.policies.short_conv import ShortConv  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -73,8 +74,9 @@ CONSISTENCY_CASES = [pytest.param(name, "torch", {}, id=f"{name}-torch") for nam
 ] + [  # the front end without a window (the controls) and a wider one
     pytest.param(name, "torch", dict(conv_size=w), id=f"{name}-torch-conv{w}") for name, w in
     (("none", 1), ("efla", 1), ("gru", 1), ("lstm", 6), ("deltanet", 2))
-] + [  # the block without its residual, and the RNNs' orthogonal initialisation
-    pytest.param(name, "torch", dict(residual=False), id=f"{name}-torch-noresidual") for name in MEMORIES
+] + [  # every other way the read joins the block, and the RNNs' orthogonal initialisation
+    pytest.param(name, "torch", dict(join=join), id=f"{name}-torch-{join}") for name in MEMORIES
+    for join in JOINS if join != "residual"
 ] + [
     pytest.param("gru", "torch", dict(recurrent_init="orthogonal"), id="gru-torch-orthogonal"),
     pytest.param("lstm", "torch", dict(recurrent_init="orthogonal", forget_bias=1.0), id="lstm-torch-orthogonal"),
@@ -183,23 +185,45 @@ def test_the_docs_list_the_default_sizes():
         assert sum(numbers) == m.state_shape[0], (name, cells[2])
 
 
-def test_the_residual_option_drops_u_from_the_output():
-    """``residual=False``: y = LayerNorm(m), so the output no longer depends on u where the read does not; the
-    ``none`` control (no read) is unchanged."""
-    for name in MEMORIES:
-        with_res, without = _memory(name), _memory(name, residual=False)
-        without.load_state_dict(with_res.state_dict())
-        x, r = _sequence(2, 5)
-        s = with_res.initial_state(2)
-        y_res, y_no = with_res(x, s, r)[0], without(x, s, r)[0]
-        h, u, _ = with_res.front(x, with_res.state_parts(s)[1], r)
-        m = with_res._core(u, with_res.state_parts(s)[0], r, h=h)[0]
-        if name == "none":
-            torch.testing.assert_close(y_no, y_res)
-        else:
-            torch.testing.assert_close(y_res, with_res.norm(u + m))
-            torch.testing.assert_close(y_no, with_res.norm(m))
-            assert (y_no - y_res).abs().max() > 1e-3
+def _join_definition(block: Memory, u: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    """The joins as documented (``rlseq.policies.memory.JOINS``), written out from the block's modules."""
+    ln = (lambda z: z) if block.join == "prenorm" else (
+        lambda z: F.layer_norm(z, z.shape[-1:], block.norm.weight, block.norm.bias, block.norm.eps))
+    if m is None:
+        return ln(u)
+    return {"residual": lambda: ln(u + m),
+            "gated": lambda: ln(u + torch.sigmoid(u @ block.gate.weight.T + block.gate.bias) * m),
+            "prenorm": lambda: u + m,
+            "read": lambda: ln(m)}[block.join]()
+
+
+@pytest.mark.parametrize("join", JOINS)
+@pytest.mark.parametrize("name", MEMORIES)
+def test_each_join_is_its_definition(name, join):
+    """``join`` changes how the read m meets the stream u and nothing else: the front end and the read are the
+    default block's (same weights), the output is the join's formula, a gate exists only where there is a read
+    to gate, and every parameter but the output norm's (absent under ``prenorm``) gets a gradient."""
+    block, default = _memory(name, join=join), _memory(name)
+    default_state = default.state_dict()
+    block.load_state_dict({k: v for k, v in default_state.items() if k in block.state_dict()}, strict=False)
+    x, r = _sequence(2, 9, scale=2.0)
+    s = _random_state(block, 2)
+    y = block(x, s, r)[0]
+    h, u, _ = default.front(x, default.state_parts(s)[1], r)
+    m = default._core(u, default.state_parts(s)[0], r, h=h)[0]
+    torch.testing.assert_close(y, _join_definition(block, u, m), atol=1e-6, rtol=1e-6)
+    assert hasattr(block, "gate") == (join == "gated" and name != "none")
+    assert ("norm.weight" in dict(block.named_parameters())) == (join != "prenorm")
+    if join != "residual" and name != "none":
+        assert (y - default(x, s, r)[0]).abs().max() > 1e-3  # the join is not a no-op
+    grads = torch.autograd.grad((y * torch.randn_like(y)).sum(), list(block.parameters()), allow_unused=True)
+    missing = [n for (n, _), g in zip(block.named_parameters(), grads) if g is None or not g.abs().sum() > 0]
+    assert missing == [], missing
+
+
+def test_an_unknown_join_lists_the_valid_ones():
+    with pytest.raises(ValueError, match="unknown join 'post'; valid joins: residual, gated, prenorm, read"):
+        make_memory("gru", 4, join="post")
 
 
 @pytest.mark.parametrize("name", ["gru", "lstm"])
@@ -400,7 +424,7 @@ def _delta_block_loop(m64, x: torch.Tensor, state: torch.Tensor, resets: torch.T
         o, matrix = naive_step(q[:, t], k[:, t], v[:, t], beta[:, t], matrix, m64.rule)
         outs.append(o)
     o = torch.stack(outs, 1)
-    y = m64.norm(u + m64.out_proj(o.flatten(-2)))
+    y = _join_definition(m64, u, m64.out_proj(o.flatten(-2)))
     return y, torch.cat([matrix.flatten(1), final_window.flatten(1)], 1)
 
 
@@ -466,7 +490,7 @@ def _rnn_loop(m, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor):
         ys.append(y)
     final_core = torch.stack(parts, 0).permute(2, 0, 1, 3)
     B = x.shape[0]
-    return m.norm(u + m.out_proj(torch.cat(ys, 1))), torch.cat([final_core.reshape(B, -1), final_window.reshape(B, -1)], 1)
+    return _join_definition(m, u, m.out_proj(torch.cat(ys, 1))), torch.cat([final_core.reshape(B, -1), final_window.reshape(B, -1)], 1)
 
 
 @pytest.mark.parametrize("name", ["gru", "lstm"])

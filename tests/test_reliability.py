@@ -459,12 +459,13 @@ def test_a_config_path_that_is_a_directory_is_one_error_line(tmp_path, capsys, m
 
 @pytest.mark.parametrize("memory,memory_kwargs,message", [
     ("efla", {"efla": {"n_head": 4}}, "unknown memory_kwargs key 'n_head' of efla in {path}; did you mean n_heads? "
-                                      "valid keys of efla: d_model, conv_size, residual, n_heads, head_dim,"),
+                                      "valid keys of efla: d_model, conv_size, join, n_heads, head_dim,"),
     ("efla", {"efla": {"head_dim": 0}}, "memory_kwargs efla head_dim 0 must be a whole number >= 1 ({path})"),
     ("gru", {"gru": {"d_model": -8}}, "memory_kwargs gru d_model -8 must be a whole number >= 1 ({path})"),
     ("gru", {"gru": {"hiden_size": 8}}, "did you mean hidden_size"),
     ("lstm", {"lstm": {"proj_size": 4}}, "unknown memory_kwargs key 'proj_size' of lstm"),
     ("lstm", {"lstm": {"recurrent_init": "xavier"}}, "recurrent_init 'xavier' is not valid; valid: uniform, orthogonal"),
+    ("gru", {"gru": {"join": "post"}}, "memory_kwargs gru join 'post' is not valid; valid: residual, gated, prenorm, read"),
     ("efla", {"n_heads": 4}, "memory_kwargs key 'n_heads' in {path} is not a memory; memory_kwargs maps a memory "
                              "(efla, deltanet, gru, lstm, none) to its keywords, e.g. {{efla: {{n_heads: 4}}}}"),
     ("efla", {"eflaa": {}}, "memory_kwargs key 'eflaa' in {path} is not a memory; did you mean efla?"),
@@ -483,7 +484,7 @@ def test_the_memory_keywords_are_those_the_constructors_take():
 
     for name in MEMORIES:
         keywords = memory_keywords(name)
-        assert {"d_model", "conv_size", "residual"} <= set(keywords)
+        assert {"d_model", "conv_size", "join"} <= set(keywords)
         make_memory(name, 3, **{k: v for k, v in keywords.items() if k != "backend"})  # each one is accepted
     assert {"dropout", "bias", "forget_bias"} <= set(memory_keywords("lstm")) and "proj_size" not in memory_keywords("lstm")
 

@@ -5,7 +5,7 @@ Every memory is the same block around a different core, so that a comparison iso
     h = LayerNorm(W_in x)                  input projection to d_model (default 128), whatever the observation
     u = LayerNorm(conv_W(h))               the front end: a causal depthwise convolution over the last W steps
     m = core(u, state, resets)             the memory read (absent for "none")
-    y = LayerNorm(u + m)                   residual + LayerNorm; y is [.., d_model] (residual=False: LayerNorm(m))
+    y = LayerNorm(u + m)                   the join: residual + LayerNorm; y is [.., d_model] (see JOINS)
 
 The front end (``conv_size=W``, default 4, the short convolution of flash-linear-attention's delta-rule layers)
 belongs to the block, not to a memory: every core, the ``none`` control included, sees the last W inputs, so a
@@ -65,6 +65,13 @@ MEMORIES = ("efla", "deltanet", "gru", "lstm", "none")
 # initialisations of the GRU's and LSTM's weights: PyTorch's U(-1/√hidden, 1/√hidden), or orthogonal recurrent
 # matrices (see _RNNMemory._orthogonal_init)
 RECURRENT_INITS = ("uniform", "orthogonal")
+# how the read m joins the block's stream u (``join=``), the same choice for every memory:
+#   "residual" y = LayerNorm(u + m)             (the default)
+#   "gated"    y = LayerNorm(u + σ(W_g u) ⊙ m)  (a learned per-channel gate on the read, GTrXL-style; starts at 0.5)
+#   "prenorm"  y = u + m                         (the core reads the normalised u; the sum is not normalised again:
+#                                                 a pre-norm sublayer, which for one block has no final norm)
+#   "read"     y = LayerNorm(m)                  (no residual: the read alone)
+JOINS = ("residual", "gated", "prenorm", "read")
 DEFAULT_D_MODEL = 128
 DEFAULT_CONV_SIZE = 4
 
@@ -76,6 +83,7 @@ __all__ = [
     "DeltaNetMemory",
     "EFLAMemory",
     "GRUMemory",
+    "JOINS",
     "LSTMMemory",
     "Memory",
     "MemoryStateError",
@@ -98,6 +106,7 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
         in_features: F, the feature size of ``x``.
         d_model: the block width and ``out_features`` (default :data:`DEFAULT_D_MODEL`), independent of F.
         conv_size: W, the front end's convolution width (default :data:`DEFAULT_CONV_SIZE`; 1: no window).
+        join: how the read joins the block (one of :data:`JOINS`; default ``"residual"``).
 
     Subclasses implement ``core_state_shape``, ``_core(u [B, T, d], core_state, resets) -> (m, final_core_state)``
     and ``_core_step(u [B, d], core_state, resets) -> m`` (``m`` None: no read, the memoryless control), where
@@ -110,9 +119,10 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
 
     name: str = "abstract"
     train_graph_obstacle: str | None = None
+    has_read = True  # False for the memoryless control, which has no read to join (and so no gate)
 
     def __init__(self, in_features: int, *, d_model: int | None = None, conv_size: int = DEFAULT_CONV_SIZE,
-                 residual: bool = True) -> None:
+                 join: str = "residual") -> None:
         super().__init__()
         self.in_features = int(in_features)
         self.d_model = int(d_model) if d_model is not None else DEFAULT_D_MODEL
@@ -120,8 +130,10 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
             raise ValueError(f"in_features and d_model must be >= 1, got {self.in_features}, {self.d_model}")
         if isinstance(conv_size, bool) or not isinstance(conv_size, int) or conv_size < 1:
             raise ValueError(f"conv_size must be an integer >= 1, got {conv_size!r}")
+        if join not in JOINS:
+            raise ValueError(f"unknown join {join!r}; valid joins: {', '.join(JOINS)}")
         self.out_features = self.d_model
-        self.residual = bool(residual)
+        self.join = join
         # Normalising the projected input gives every core unit-scale inputs whatever the observation's scale and
         # width, so defaults (and EFLA's starting gate) carry over from one task to the next.
         self.in_proj = nn.Sequential(nn.Linear(self.in_features, self.d_model), nn.LayerNorm(self.d_model))
@@ -129,7 +141,12 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
         # like h (a SiLU here would give every β logit an offset, and the gates a start that depends on the task)
         self.conv = ShortConv(self.d_model, conv_size)
         self.conv_norm = nn.LayerNorm(self.d_model)
-        self.norm = nn.LayerNorm(self.d_model)
+        self.norm = nn.Identity() if join == "prenorm" else nn.LayerNorm(self.d_model)
+        if join == "gated" and self.has_read:
+            self.gate = nn.Linear(self.d_model, self.d_model)
+            with torch.no_grad():  # small weights, zero bias: the gate starts near 1/2 on every channel whatever u is
+                self.gate.weight.mul_(0.1)
+                self.gate.bias.zero_()
 
     def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Zero state for ``batch_size`` sequences: one float32 tensor ``[B, N]``."""
@@ -164,9 +181,12 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
         """``u [B, d]`` (and ``h [B, d]``) → ``m [B, d]`` or None; updates ``core_state`` in place."""
 
     def _output(self, u: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
-        if m is None:
+        if m is None:  # the memoryless control: the stream alone, normalised as every join normalises it
             return self.norm(u)
-        return self.norm(u + m.to(u.dtype) if self.residual else m.to(u.dtype))
+        m = m.to(u.dtype)
+        if self.join == "gated":
+            m = torch.sigmoid(self.gate(u)) * m
+        return self.norm(m if self.join == "read" else u + m)
 
     def front(self, x: torch.Tensor, window: torch.Tensor, resets: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -224,7 +244,7 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, d_model={self.d_model}, conv_size={self.conv.kernel_size}"
-                + ("" if self.residual else ", residual=False"))
+                + ("" if self.join == "residual" else f", join={self.join!r}"))
 
 
 def _short(xs: list[Any], n: int = 16) -> str:
@@ -246,6 +266,7 @@ class NoMemory(Memory):
     end's output, which still sees the last ``conv_size`` inputs), and the window as its whole state."""
 
     name = "none"
+    has_read = False
 
     @property
     def core_state_shape(self) -> tuple[int, ...]:
@@ -271,7 +292,7 @@ class _DeltaRuleMemory(Memory):
         *,
         d_model: int | None = None,
         conv_size: int = DEFAULT_CONV_SIZE,
-        residual: bool = True,
+        join: str = "residual",
         n_heads: int = 4,
         head_dim: int | None = None,
         value_dim: int | None = None,
@@ -280,7 +301,7 @@ class _DeltaRuleMemory(Memory):
         backend: str | None = None,
         chunk_size: int | None = None,
     ) -> None:
-        super().__init__(in_features, d_model=d_model, conv_size=conv_size, residual=residual)
+        super().__init__(in_features, d_model=d_model, conv_size=conv_size, join=join)
         if n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got {n_heads}")
         self.n_heads = int(n_heads)
@@ -436,7 +457,7 @@ class EFLAMemory(_DeltaRuleMemory):
         in_features: F, size of ``x``.
         d_model: block width (default 128).
         conv_size: W, the front end's convolution width (1: no temporal window).
-        residual: ``y = LayerNorm(u + m)`` (default); False: ``y = LayerNorm(m)``, the read alone.
+        join: how the read joins the block (:data:`JOINS`; default ``"residual"``: ``y = LayerNorm(u + m)``).
         n_heads, head_dim, value_dim: H, K, V.
         query_norm: L2-normalise queries per head.
         beta_bias_init: initial bias of the β logit (None: the matched start above).
@@ -514,7 +535,7 @@ class _RNNMemory(Memory):
     ``_process_sequence``.
 
     ``hidden_size`` (default ``2·d_model``: 256 at the default width), ``num_layers``, ``recurrent_init`` (one of
-    :data:`RECURRENT_INITS`: ``"uniform"``, PyTorch's default, or ``"orthogonal"``) and ``residual`` (the
+    :data:`RECURRENT_INITS`: ``"uniform"``, PyTorch's default, or ``"orthogonal"``) and ``join`` (the
     block's) are arguments; the rest go to ``nn.GRU`` / ``nn.LSTM``.
     """
 
@@ -528,9 +549,9 @@ class _RNNMemory(Memory):
     hidden_ratio = 2.0  # default hidden_size / d_model
 
     def __init__(self, in_features: int, *, d_model: int | None = None, conv_size: int = DEFAULT_CONV_SIZE,
-                 residual: bool = True, hidden_size: int | None = None, num_layers: int = 1,
+                 join: str = "residual", hidden_size: int | None = None, num_layers: int = 1,
                  recurrent_init: str = "uniform", **rnn_kwargs: Any) -> None:
-        super().__init__(in_features, d_model=d_model, conv_size=conv_size, residual=residual)
+        super().__init__(in_features, d_model=d_model, conv_size=conv_size, join=join)
         if rnn_kwargs.pop("batch_first", True) is not True or rnn_kwargs.get("bidirectional"):
             raise ValueError(f"{type(self).__name__} is always batch_first and unidirectional")
         if recurrent_init not in RECURRENT_INITS:
@@ -751,10 +772,10 @@ def memory_class(name: str) -> type[Memory]:
 def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:
     """Build a memory by name (one of :data:`MEMORIES`) over ``in_features`` inputs.
 
-    ``memory_kwargs`` go to the class: every memory takes ``d_model``, ``conv_size`` and ``residual``; :class:`EFLAMemory` /
+    ``memory_kwargs`` go to the class: every memory takes ``d_model``, ``conv_size`` and ``join``; :class:`EFLAMemory` /
     :class:`DeltaNetMemory` also ``n_heads``, ``head_dim``, ``value_dim``, ``query_norm``,
     ``beta_bias_init``, ``backend``, ``chunk_size``; :class:`GRUMemory` / :class:`LSTMMemory` ``hidden_size``,
-    ``num_layers``, ``recurrent_init``, and :class:`LSTMMemory` ``forget_bias``. Every memory takes ``residual``. An unknown keyword raises ``TypeError`` naming the class.
+    ``num_layers``, ``recurrent_init``, and :class:`LSTMMemory` ``forget_bias``. An unknown keyword raises ``TypeError`` naming the class.
     """
     cls = memory_class(name)
     try:
