@@ -122,7 +122,7 @@ CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
     **dict.fromkeys(("normalize_reward", "prev_action_reward", "fused_adam", "channels_last", "tf32", "cuda_graph"),
                     _boolean),
     "amp": _amp, "cuda_graph_train": _cuda_graph_train,
-    **dict.fromkeys(("env_kwargs", "policy_kwargs", "memory_kwargs"), _mapping),
+    **dict.fromkeys(("env_kwargs", "policy_kwargs", "memory_kwargs", "memory_learning_rate"), _mapping),
 }
 
 
@@ -418,6 +418,36 @@ def load_config(path: Path, env: str, family: str = "procgen") -> dict[str, Any]
     return copy.deepcopy(entry)
 
 
+def apply_memory_learning_rate(entry: dict[str, Any], origin: dict[str, str], where: str, memory: str,
+                               own_block: bool) -> list[str]:
+    """Resolve one config entry's ``memory_learning_rate`` (memory name -> learning rate) in place: it is
+    removed, and for ``memory`` (when the run uses rlseq's block, ``own_block``) it replaces the entry's
+    ``learning_rate``. Per entry, before entries are layered: a later file's ``learning_rate`` (an ablation's
+    sweep) replaces the memory's rate of an earlier one, and a flag replaces both. One message per bad entry."""
+    from rlseq.policies.memory import MEMORIES
+
+    table = entry.pop("memory_learning_rate", None)
+    if table is None:
+        return []
+    if not isinstance(table, dict):
+        return [f"memory_learning_rate in {where} must map a memory ({', '.join(MEMORIES)}) to its learning rate, "
+                f"e.g. {{lstm: 1.0e-3}}, not {_short(table)}"]
+    problems = []
+    for name, rate in table.items():
+        if name not in MEMORIES:
+            problems.append(f"memory_learning_rate key {name!r} in {where} is not a memory; "
+                            f"{_did_you_mean(name, MEMORIES)}valid memories: {', '.join(MEMORIES)}")
+            continue
+        try:
+            table[name] = CONFIG_KEYS["learning_rate"](rate)
+        except ValueError as e:
+            problems.append(f"memory_learning_rate {name} {rate!r} {e} ({where})")
+    if not problems and own_block and memory in table:
+        entry["learning_rate"] = table[memory]
+        origin["learning_rate"] = f"{where}, memory_learning_rate of {memory}"
+    return problems
+
+
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 40 else text[:37] + "..."
@@ -451,12 +481,17 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_config(base, env, family)
     problems = unknown_keys(cfg, f"{base} (entry of {env})")
     origin = dict.fromkeys(cfg, str(base))
+    # rlseq's block, whatever trains it (sb3-contrib's own LSTM is another design, with a rate of its own)
+    own_block = not (args.algo != "rlseq" and args.memory == "lstm")
+    problems += apply_memory_learning_rate(cfg, origin, str(base), args.memory, own_block)
     if args.config:  # RL Zoo-style: the file's entry overrides the family's defaults key by key
         path = Path(args.config)
         override = load_config(path, env, family)
         problems += unknown_keys(override, f"{path} (entry of {env})")
+        override_origin = dict.fromkeys(override, str(path))
+        problems += apply_memory_learning_rate(override, override_origin, str(path), args.memory, own_block)
         cfg.update(override)
-        origin.update(dict.fromkeys(override, str(path)))
+        origin.update(override_origin)
     problems += check_flags(args)
     for flag, key in FLAG_TO_KEY.items():
         value, option = asked(args, flag)

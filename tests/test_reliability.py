@@ -384,7 +384,7 @@ def test_a_bad_config_key_or_value_is_one_error_line(changes, message, tmp_path,
     lines = _refused(["--env", ENV, "--config", str(_config(tmp_path, **changes))], tmp_path, capsys, monkeypatch)
     assert len(lines) == 1 and message in lines[0]
     if "learnign_rate" in changes:
-        assert "did you mean learning_rate?" in lines[0]
+        assert "did you mean learning_rate" in lines[0]
 
 
 @pytest.mark.parametrize("flag,value", [("--reward-scale", "1e308"), ("--value-shift", "1e300")])
@@ -417,7 +417,7 @@ def test_a_typo_in_a_two_key_config_file_is_one_line_with_the_close_match(tmp_pa
     path = tmp_path / "two.yml"
     path.write_text("popgym:\n  n_envs: 4\n  learnign_rate: 1.0e-3\n")
     lines = _refused(["--env", ENV, "--config", str(path)], tmp_path, capsys, monkeypatch)
-    assert len(lines) == 1 and "unknown key 'learnign_rate'" in lines[0] and "did you mean learning_rate?" in lines[0]
+    assert len(lines) == 1 and "unknown key 'learnign_rate'" in lines[0] and "did you mean learning_rate" in lines[0]
 
 
 def test_a_yaml_syntax_error_in_a_config_file_is_one_line_with_its_place(tmp_path, capsys, monkeypatch):
@@ -475,6 +475,43 @@ def test_a_bad_memory_keyword_is_one_error_line_before_the_run_folder_exists(mem
                                                                             capsys, monkeypatch):
     path = _config(tmp_path, memory_kwargs=memory_kwargs)
     lines = _refused(["--env", ENV, "--memory", memory, "--config", str(path)], tmp_path, capsys, monkeypatch)
+    assert len(lines) == 1 and message.format(path=path) in lines[0], lines
+
+
+def test_a_memory_learning_rate_is_that_memory_s_alone(tmp_path, monkeypatch):
+    """``memory_learning_rate`` replaces its entry's ``learning_rate`` for the memories it names, in rlseq's block
+    only; a later file's ``learning_rate`` (a sweep) and a flag replace it; the resolved config keeps one rate."""
+    import rlseq.config as C
+    from rlseq.train import build_parser, resolve
+
+    base = _config(tmp_path, learning_rate=5e-4, memory_learning_rate={"lstm": 1e-3, "efla": 2.5e-4})
+    monkeypatch.setitem(C.FAMILY_CONFIGS, "popgym", base)
+
+    def resolved(*argv: str) -> dict:
+        return resolve(build_parser().parse_args(["--env", ENV, *argv]))
+
+    assert [resolved("--memory", m)["learning_rate"] for m in ("lstm", "efla", "gru")] == [1e-3, 2.5e-4, 5e-4]
+    assert "memory_learning_rate" not in resolved("--memory", "lstm")
+    assert resolved("--memory", "lstm", "--learning-rate", "2e-4")["learning_rate"] == 2e-4
+    # sb3-contrib's own LSTM is another design; the drop-in EFLA block inside RecurrentPPO is rlseq's
+    assert resolved("--memory", "lstm", "--algo", "sb3-recurrent-ppo")["learning_rate"] == 5e-4
+    assert resolved("--memory", "efla", "--algo", "sb3-recurrent-ppo")["learning_rate"] == 2.5e-4
+    sweep = tmp_path / "sweep.yml"
+    sweep.write_text("popgym:\n  learning_rate: 2.5e-3\n")
+    assert resolved("--memory", "lstm", "--config", str(sweep))["learning_rate"] == 2.5e-3
+    sweep.write_text("popgym:\n  memory_learning_rate: {gru: 3.0e-4}\n")
+    assert [resolved("--memory", m, "--config", str(sweep))["learning_rate"] for m in ("gru", "lstm")] == [3e-4, 1e-3]
+
+
+@pytest.mark.parametrize("table,message", [
+    ({"lstn": 1e-3}, "memory_learning_rate key 'lstn' in {path} is not a memory; did you mean lstm? valid memories: "
+                     "efla, deltanet, gru, lstm, none"),
+    ({"lstm": -1.0}, "memory_learning_rate lstm -1.0 must be > 0 ({path})"),
+    (1e-3, "memory_learning_rate in {path} must map a memory"),
+])
+def test_a_bad_memory_learning_rate_is_one_error_line(table, message, tmp_path, capsys, monkeypatch):
+    path = _config(tmp_path, memory_learning_rate=table)
+    lines = _refused(["--env", ENV, "--memory", "gru", "--config", str(path)], tmp_path, capsys, monkeypatch)
     assert len(lines) == 1 and message.format(path=path) in lines[0], lines
 
 

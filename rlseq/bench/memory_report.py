@@ -435,7 +435,9 @@ def _budget(res: Results, tasks: list[str]) -> list[str]:
     steps = dict(res.grid["steps"])
     for r in res.records:
         steps.setdefault(r["task"], int(r["steps"]))
-    configs = sorted({json.dumps(r.get("config", {})) for r in res.records})
+    configs: dict[str, set[str]] = {}  # PPO settings -> the variants trained with them
+    for r in res.records:
+        configs.setdefault(json.dumps(r.get("config", {})), set()).add(r["variant"])
     episodes = sorted({int(r["episodes"]) for r in res.records})
     seeds = sorted({int(r["seed"]) for r in res.records})
     lines = ["## Budget", "",
@@ -443,8 +445,9 @@ def _budget(res: Results, tasks: list[str]) -> list[str]:
              "| task | env steps |", "|---|---:|"]
     lines += [f"| {short_task(t)} | {steps[t]:,} |" for t in tasks if t in steps]
     lines.append("")
-    for c in configs:
-        lines.append("PPO: " + ", ".join(f"{k} {v}" for k, v in json.loads(c).items()) + ".")
+    for c in sorted(configs):
+        whose = "" if len(configs) == 1 else f" ({', '.join(sorted(configs[c]))})"
+        lines.append(f"PPO{whose}: " + ", ".join(f"{k} {v}" for k, v in json.loads(c).items()) + ".")
     lines += ["", f"Seeds {', '.join(map(str, seeds)) or 'none'}; each finished run is evaluated on "
               f"{' / '.join(map(str, episodes)) or 'n/a'} new episodes (sampled actions, env seeds unlike training).",
               ""]
