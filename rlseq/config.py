@@ -188,6 +188,10 @@ def memory_kwargs_problems(memory_kwargs: dict, where: str) -> list[str]:
             continue
         valid = memory_keywords(name)
         for key, value in kwargs.items():
+            if key == "residual" and "join" in valid:
+                problems.append(f"memory_kwargs {name} residual in {where} is now join: residual: false is "
+                                "join: read (valid joins: " + ", ".join(JOINS) + ")")
+                continue
             if key not in valid:
                 problems.append(f"unknown memory_kwargs key {key!r} of {name} in {where}; "
                                 f"{_did_you_mean(key, valid)}valid keys of {name}: {', '.join(valid)}")
@@ -443,6 +447,10 @@ def apply_memory_learning_rate(entry: dict[str, Any], origin: dict[str, str], wh
         except ValueError as e:
             problems.append(f"memory_learning_rate {name} {rate!r} {e} ({where})")
     if not problems and own_block and memory in table:
+        try:  # a bad learning_rate stays, for check_values to report: replaced or not, it is an error
+            CONFIG_KEYS["learning_rate"](entry.get("learning_rate", 1.0))
+        except ValueError:
+            return []
         entry["learning_rate"] = table[memory]
         origin["learning_rate"] = f"{where}, memory_learning_rate of {memory}"
     return problems

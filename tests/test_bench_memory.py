@@ -104,6 +104,24 @@ def _synthetic(out: Path) -> None:
     R.random_path(out, T1).write_text(json.dumps({"task": T1, "mean": -0.5, "episodes": 8}))
 
 
+def test_the_report_names_the_variants_of_each_ppo_setting(tmp_path):
+    """Variants trained with other PPO settings (another algo, a memory's own learning rate) are each named
+    under their setting."""
+    out = tmp_path / "memory_benchmark"
+    _synthetic(out)
+    for path in (out / "results").rglob("*.json"):
+        doc = json.loads(path.read_text())
+        if doc.get("variant") == "sb3-lstm":
+            doc["config"] = {"algo": "sb3-recurrent-ppo", "n_envs": 4}
+        elif doc.get("variant") == "efla":
+            doc["config"] = {"algo": "rlseq", "n_envs": 4, "learning_rate": 2.5e-4}
+        path.write_text(json.dumps(doc))
+    text = R.write_report(out).read_text()
+    assert "PPO (none): algo rlseq, n_envs 4." in text
+    assert "PPO (efla): algo rlseq, n_envs 4, learning_rate 0.00025." in text
+    assert "PPO (sb3-lstm): algo sb3-recurrent-ppo, n_envs 4." in text
+
+
 def test_the_report_from_synthetic_result_files(tmp_path):
     out = tmp_path / "memory_benchmark"
     _synthetic(out)
@@ -124,6 +142,7 @@ def test_the_report_from_synthetic_result_files(tmp_path):
     assert "| RepeatPreviousEasy | 1,000 | 1,000 | 1,000 |" in text  # speeds: median of 1000 and 1001
     assert "python -m rlseq.bench memory --quick" in text and "Total wall time: 10.0 min" in text
     assert "Versions: python 3.x, torch 2.x, rlseq abc." in text
+    assert "PPO: algo rlseq, n_envs 4." in text  # one setting for every variant: no variants named
     # the command line regenerates the same report from the files alone
     path.unlink()
     bench_main(["memory", "--report-only", "--out", str(out)])

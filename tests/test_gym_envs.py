@@ -127,9 +127,12 @@ def test_a_config_entry_per_env_id_and_procgen_env_kwargs_refused(tmp_path):
         _resolved("--env", "popgym-RepeatFirstEasy-v0", "--config", str(config))
     with pytest.raises(ValueError, match="no 'gym' default"):
         _resolved("--env", "CartPole-v1", "--config", str(config))
-    popgym = _resolved("--env", "popgym-MineSweeperEasy-v0")  # configs/popgym.yml's default entry
+    popgym = _resolved("--env", "popgym-MineSweeperEasy-v0", "--memory", "gru")  # configs/popgym.yml's default entry
     assert (popgym["n_envs"], popgym["n_steps"], popgym["n_minibatches"], popgym["n_epochs"]) == (8, 128, 4, 4)
     assert popgym["learning_rate"] == 5e-4 and popgym["normalize_reward"] is False and popgym["memory_kwargs"] == {}
+    # its memory_learning_rate: EFLA and the LSTM have rates of their own
+    assert [_resolved("--env", "popgym-MineSweeperEasy-v0", "--memory", m)["learning_rate"] for m in ("efla", "lstm")] \
+        == [2.5e-4, 1e-3]
 
 
 # --- observation spaces and the wrapper chain -----------------------------------------------------------

@@ -205,6 +205,8 @@ def test_each_join_is_its_definition(name, join):
     to gate, and every parameter but the output norm's (absent under ``prenorm``) gets a gradient."""
     block, default = _memory(name, join=join), _memory(name)
     default_state = default.state_dict()
+    # the same seed gives the same front end and core whatever the join (the gate draws from a stream of its own)
+    assert all(torch.equal(v, default_state[k]) for k, v in block.state_dict().items() if k in default_state)
     block.load_state_dict({k: v for k, v in default_state.items() if k in block.state_dict()}, strict=False)
     x, r = _sequence(2, 9, scale=2.0)
     s = _random_state(block, 2)
@@ -219,6 +221,16 @@ def test_each_join_is_its_definition(name, join):
     grads = torch.autograd.grad((y * torch.randn_like(y)).sum(), list(block.parameters()), allow_unused=True)
     missing = [n for (n, _), g in zip(block.named_parameters(), grads) if g is None or not g.abs().sum() > 0]
     assert missing == [], missing
+
+
+def test_residual_the_former_name_of_join_still_builds_saved_models():
+    """Models saved with ``memory_kwargs={"residual": False}`` load: it is ``join="read"``, with a warning."""
+    with pytest.warns(DeprecationWarning, match="residual is now join"):
+        assert make_memory("lstm", 4, residual=False).join == "read"
+    with pytest.warns(DeprecationWarning):
+        assert make_memory("efla", 4, residual=True).join == "residual"
+    with pytest.raises(TypeError, match="residual and join given together"):
+        make_memory("gru", 4, residual=False, join="read")
 
 
 def test_an_unknown_join_lists_the_valid_ones():
@@ -428,23 +440,24 @@ def _delta_block_loop(m64, x: torch.Tensor, state: torch.Tensor, resets: torch.T
     return y, torch.cat([matrix.flatten(1), final_window.flatten(1)], 1)
 
 
-DELTA_SHAPES = [  # (rule, n_heads, head_dim, value_dim, conv_size, T)
-    ("efla", 2, 8, 12, 4, 37),
-    ("deltanet", 2, 8, 12, 4, 37),
-    ("efla", 1, 16, 4, 3, 21),
-    ("deltanet", 3, 4, 8, 1, 18),
+DELTA_SHAPES = [  # (rule, n_heads, head_dim, value_dim, conv_size, T, join): each join on some shape
+    ("efla", 2, 8, 12, 4, 37, "residual"),
+    ("deltanet", 2, 8, 12, 4, 37, "gated"),
+    ("efla", 1, 16, 4, 3, 21, "prenorm"),
+    ("deltanet", 3, 4, 8, 1, 18, "read"),
+    ("efla", 2, 8, 8, 4, 19, "gated"),
 ]
 
 
-@pytest.mark.parametrize(("rule", "H", "K", "V", "W", "T"), DELTA_SHAPES)
+@pytest.mark.parametrize(("rule", "H", "K", "V", "W", "T", "join"), DELTA_SHAPES)
 @pytest.mark.parametrize("key_scale", [1e-4, 1.0, 1e4])
-def test_delta_block_matches_float64_loop(rule, H, K, V, W, T, key_scale):
+def test_delta_block_matches_float64_loop(rule, H, K, V, W, T, join, key_scale):
     """The training path (chunked torch kernel, chunk 16 so T crosses chunks) against the float64 loop, with
     resets at random positions (t = 0 and back to back included), K != V, key norms from 1e-4 to 1e4 (the key
-    projection scaled), outputs, final state and gradients."""
+    projection scaled), every join, outputs, final state and gradients."""
     torch.manual_seed(3)
     m = make_memory(rule, F_IN, d_model=16, n_heads=H, head_dim=K, value_dim=V, conv_size=W, backend="torch",
-                    chunk_size=16)
+                    chunk_size=16, join=join)
     with torch.no_grad():  # scale the key rows of the q/k/v projection: key norms follow
         m.qkv.weight[H * K : 2 * H * K] *= key_scale
         m.qkv.bias[H * K : 2 * H * K] *= key_scale
@@ -493,11 +506,13 @@ def _rnn_loop(m, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor):
     return _join_definition(m, u, m.out_proj(torch.cat(ys, 1))), torch.cat([final_core.reshape(B, -1), final_window.reshape(B, -1)], 1)
 
 
+@pytest.mark.parametrize("join", JOINS)
 @pytest.mark.parametrize("name", ["gru", "lstm"])
 @pytest.mark.parametrize("with_resets", [True, False])
-def test_rnn_exact_resets(name, with_resets):
-    """One packed call over episode segments equals the per-step loop: outputs, final state and gradients."""
-    m = _memory(name)
+def test_rnn_exact_resets(name, with_resets, join):
+    """One packed call over episode segments equals the per-step loop, in every join: outputs, final state and
+    gradients."""
+    m = _memory(name, join=join)
     x, r = _sequence(4, 23)
     if not with_resets:
         r = torch.zeros_like(r)

@@ -158,7 +158,7 @@ def test_resume_with_other_hyperparameters_is_refused_with_every_difference_and_
     assert e.value.code == 2
     err = capsys.readouterr().err
     for line in ("error:   n_steps: 8 in the run, 64 now", "error:   learning_rate: 0.0005 in the run, 0.1 now",
-                 "error:   n_envs: 2 in the run, 8 now"):
+                 "error:   n_envs: 2 in the run, 8 now", "--learning-rate 0.0005 resumes with the run's"):
         assert line in err
     assert config.read_text() == before
     # the budget may grow: recorded as it now is
@@ -466,6 +466,7 @@ def test_a_config_path_that_is_a_directory_is_one_error_line(tmp_path, capsys, m
     ("lstm", {"lstm": {"proj_size": 4}}, "unknown memory_kwargs key 'proj_size' of lstm"),
     ("lstm", {"lstm": {"recurrent_init": "xavier"}}, "recurrent_init 'xavier' is not valid; valid: uniform, orthogonal"),
     ("gru", {"gru": {"join": "post"}}, "memory_kwargs gru join 'post' is not valid; valid: residual, gated, prenorm, read"),
+    ("gru", {"gru": {"residual": False}}, "memory_kwargs gru residual in {path} is now join: residual: false is join: read"),
     ("efla", {"n_heads": 4}, "memory_kwargs key 'n_heads' in {path} is not a memory; memory_kwargs maps a memory "
                              "(efla, deltanet, gru, lstm, none) to its keywords, e.g. {{efla: {{n_heads: 4}}}}"),
     ("efla", {"eflaa": {}}, "memory_kwargs key 'eflaa' in {path} is not a memory; did you mean efla?"),
@@ -571,7 +572,8 @@ def test_numeric_strings_are_accepted_for_number_keys(tmp_path):
     path.write_text(path.read_text().replace("learning_rate: 0.0005", "learning_rate: 5e-4")
                     .replace("n_timesteps: 100000", "n_timesteps: 1e5"))
     assert yaml.safe_load(path.read_text())["popgym"]["learning_rate"] == "5e-4"  # what PyYAML makes of it
-    cfg = resolve(build_parser().parse_args(["--env", ENV, "--config", str(path)]))
+    # the GRU takes the entry's learning_rate (EFLA and the LSTM have their own in memory_learning_rate)
+    cfg = resolve(build_parser().parse_args(["--env", ENV, "--memory", "gru", "--config", str(path)]))
     assert cfg["learning_rate"] == 5e-4 and type(cfg["learning_rate"]) is float
     assert cfg["n_timesteps"] == 100_000 and type(cfg["n_timesteps"]) is int
 

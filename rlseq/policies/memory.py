@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import abc
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -143,7 +144,10 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
         self.conv_norm = nn.LayerNorm(self.d_model)
         self.norm = nn.Identity() if join == "prenorm" else nn.LayerNorm(self.d_model)
         if join == "gated" and self.has_read:
-            self.gate = nn.Linear(self.d_model, self.d_model)
+            # from a stream of its own, so that the core starts from the same weights as under the other joins
+            with torch.random.fork_rng(devices=[]):
+                torch.default_generator.manual_seed(int(torch.randint(0, 2**62, ())))
+                self.gate = nn.Linear(self.d_model, self.d_model)
             with torch.no_grad():  # small weights, zero bias: the gate starts near 1/2 on every channel whatever u is
                 self.gate.weight.mul_(0.1)
                 self.gate.bias.zero_()
@@ -776,8 +780,18 @@ def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:
     :class:`DeltaNetMemory` also ``n_heads``, ``head_dim``, ``value_dim``, ``query_norm``,
     ``beta_bias_init``, ``backend``, ``chunk_size``; :class:`GRUMemory` / :class:`LSTMMemory` ``hidden_size``,
     ``num_layers``, ``recurrent_init``, and :class:`LSTMMemory` ``forget_bias``. An unknown keyword raises ``TypeError`` naming the class.
+    ``residual`` (a bool, ``join``'s former name) is still read, so that models saved with it load: ``False`` is
+    ``join="read"``, ``True`` ``join="residual"``.
     """
     cls = memory_class(name)
+    if "residual" in memory_kwargs:
+        residual = memory_kwargs.pop("residual")
+        if "join" in memory_kwargs:
+            raise TypeError(f"{cls.__name__}: residual and join given together; residual is join's former name "
+                            "(False: join='read'), give join alone")
+        warnings.warn("memory_kwargs residual is now join: residual=False is join='read'", DeprecationWarning,
+                      stacklevel=2)
+        memory_kwargs["join"] = "residual" if residual else "read"
     try:
         return cls(in_features, **memory_kwargs)
     except TypeError as e:
