@@ -422,8 +422,7 @@ def load_config(path: Path, env: str, family: str = "procgen") -> dict[str, Any]
     return copy.deepcopy(entry)
 
 
-def apply_memory_learning_rate(entry: dict[str, Any], origin: dict[str, str], where: str, memory: str,
-                               own_block: bool) -> list[str]:
+def apply_memory_learning_rate(entry: dict[str, Any], where: str, memory: str, own_block: bool) -> list[str]:
     """Resolve one config entry's ``memory_learning_rate`` (memory name -> learning rate) in place: it is
     removed, and for ``memory`` (when the run uses rlseq's block, ``own_block``) it replaces the entry's
     ``learning_rate``. Per entry, before entries are layered: a later file's ``learning_rate`` (an ablation's
@@ -452,7 +451,6 @@ def apply_memory_learning_rate(entry: dict[str, Any], origin: dict[str, str], wh
         except ValueError:
             return []
         entry["learning_rate"] = table[memory]
-        origin["learning_rate"] = f"{where}, memory_learning_rate of {memory}"
     return problems
 
 
@@ -489,17 +487,16 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_config(base, env, family)
     problems = unknown_keys(cfg, f"{base} (entry of {env})")
     origin = dict.fromkeys(cfg, str(base))
-    # rlseq's block, whatever trains it (sb3-contrib's own LSTM is another design, with a rate of its own)
-    own_block = not (args.algo != "rlseq" and args.memory == "lstm")
-    problems += apply_memory_learning_rate(cfg, origin, str(base), args.memory, own_block)
+    # sb3-contrib's own LSTM is another design than rlseq's block: no conv_size, no memory_learning_rate
+    stock_lstm = args.algo != "rlseq" and args.memory == "lstm"
+    problems += apply_memory_learning_rate(cfg, str(base), args.memory, not stock_lstm)
     if args.config:  # RL Zoo-style: the file's entry overrides the family's defaults key by key
         path = Path(args.config)
         override = load_config(path, env, family)
         problems += unknown_keys(override, f"{path} (entry of {env})")
-        override_origin = dict.fromkeys(override, str(path))
-        problems += apply_memory_learning_rate(override, override_origin, str(path), args.memory, own_block)
+        problems += apply_memory_learning_rate(override, str(path), args.memory, not stock_lstm)
         cfg.update(override)
-        origin.update(override_origin)
+        origin.update(dict.fromkeys(override, str(path)))
     problems += check_flags(args)
     for flag, key in FLAG_TO_KEY.items():
         value, option = asked(args, flag)
@@ -568,7 +565,6 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     memory_kwargs = cfg.pop("memory_kwargs", {}) or {}
     cfg.update(env=env, env_family=family, env_packages=list(env_id.packages), memory=args.memory, algo=args.algo,
                seed=args.seed, tag=args.tag, memory_kwargs=dict(memory_kwargs.get(args.memory, {}) or {}))
-    stock_lstm = args.algo != "rlseq" and args.memory == "lstm"
     conv_size = getattr(args, "conv_size", None)
     if conv_size is not None:
         if conv_size < 1:

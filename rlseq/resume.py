@@ -69,7 +69,7 @@ def refuse_changed_settings(cfg: dict[str, Any], folder: Path, checkpoint: Path)
         if key in saved and cfg.get(key) != saved[key]:
             print(f"note: {key} was {saved[key]!r} in the run and is {cfg.get(key)!r} from now on", file=sys.stderr)
     if changed:
-        if "learning_rate" in saved and _comparable("learning_rate", cfg.get("learning_rate")) != saved["learning_rate"]:
+        if "learning_rate" in saved and cfg.get("learning_rate") != saved["learning_rate"]:
             changed.append(f"  (a config's memory_learning_rate gives some memories a rate of their own: "
                            f"--learning-rate {saved['learning_rate']} resumes with the run's)")
         raise UsageError("\n".join([f"--resume with other settings than the run's ({path}); resume with the same "

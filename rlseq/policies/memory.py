@@ -68,7 +68,7 @@ MEMORIES = ("efla", "deltanet", "gru", "lstm", "none")
 RECURRENT_INITS = ("uniform", "orthogonal")
 # how the read m joins the block's stream u (``join=``), the same choice for every memory:
 #   "residual" y = LayerNorm(u + m)             (the default)
-#   "gated"    y = LayerNorm(u + σ(W_g u) ⊙ m)  (a learned per-channel gate on the read, GTrXL-style; starts at 0.5)
+#   "gated"    y = LayerNorm(u + σ(W_g u) ⊙ m)  (a learned per-channel gate on the read, GTrXL-style; starts near 1/2)
 #   "prenorm"  y = u + m                         (the core reads the normalised u; the sum is not normalised again:
 #                                                 a pre-norm sublayer, which for one block has no final norm)
 #   "read"     y = LayerNorm(m)                  (no residual: the read alone)
