@@ -554,12 +554,6 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("--cuda-graph-train needs --algo rlseq")
     if args.cuda_graph_train and args.device == "cpu":
         raise UsageError("--cuda-graph-train needs a GPU; drop it with --device cpu")
-    if args.cuda_graph_train and args.algo == "rlseq":
-        from rlseq.policies.memory import memory_class
-
-        why = memory_class(args.memory).train_graph_obstacle
-        if why is not None:
-            raise UsageError(f"--cuda-graph-train cannot capture the {args.memory} memory ({why})")
     if not args.resume:  # on --resume the checkpoint's fused_adam holds: checked once it is known
         _check_cuda_graph_train(args, cfg)
     memory_kwargs = cfg.pop("memory_kwargs", {}) or {}

@@ -487,10 +487,10 @@ def test_delta_block_matches_float64_loop(rule, H, K, V, W, T, join, key_scale):
 
 def _rnn_loop(m, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor):
     """sb3-contrib's semantics in the block: a per-step loop over the RNN that zeroes its state where an episode
-    starts (the block's front end from its definition, the output those of the module)."""
+    starts (the block's front end from its definition, the output those of the module), in ``x``'s dtype."""
     core, window = m.state_parts(state)
     c, final_window = _conv_loop(m.conv, m.in_proj(x), window, resets)
-    u, final_window = m.conv_norm(c.float()), final_window.float()
+    u, final_window = m.conv_norm(c.to(x.dtype)), final_window.to(x.dtype)
     # the documented layout: [B, P, L, hidden] with h at part 0 and (LSTM) c at part 1
     parts = [core[:, i].transpose(0, 1) for i in range(core.shape[1])]
     ys = []
@@ -525,6 +525,46 @@ def test_rnn_exact_resets(name, with_resets, join):
     grads_ref = torch.autograd.grad(y_ref.square().sum() + f_ref.square().sum(), params)
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g, g_ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("join", JOINS)
+@pytest.mark.parametrize(("name", "hidden_size", "num_layers", "T"),
+                         [("gru", 12, 2, 23), ("gru", 7, 1, 17), ("lstm", 20, 2, 23), ("lstm", 9, 1, 31)])
+def test_rnn_capturable_scan_matches_float64_loop(name, hidden_size, num_layers, T, join):
+    """The capturable training pass (a masked scan, no host reads) against the per-step loop run on a float64 copy
+    of the module: outputs, final state and the gradients of the parameters and the entering state, from a random
+    state, with resets at random positions, at t = 0, back to back and at the last step, in every join."""
+    m = _memory(name, join=join, hidden_size=hidden_size, num_layers=num_layers)
+    m.capturable_training(True)
+    x, r = _sequence(4, T)
+    s0 = _random_state(m, 4).requires_grad_(True)
+    y, f = m(x, s0, r)
+    m64 = copy.deepcopy(m).double()
+    s64 = s0.detach().double().requires_grad_(True)
+    y_ref, f_ref = _rnn_loop(m64, x.double(), s64, r)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(f.double(), f_ref, atol=1e-5, rtol=1e-5)
+    g = torch.Generator().manual_seed(4)
+    probe_y, probe_f = torch.randn(y.shape, generator=g), torch.randn(f.shape, generator=g)
+    grads = torch.autograd.grad((y * probe_y).sum() + (f * probe_f).sum(), [s0, *m.parameters()])
+    grads_ref = torch.autograd.grad((y_ref * probe_y.double()).sum() + (f_ref * probe_f.double()).sum(),
+                                    [s64, *m64.parameters()])
+    for (n, _), gr, gr_ref in zip([("state", s0), *m.named_parameters()], grads, grads_ref):
+        scale = gr_ref.abs().max().clamp_min(1e-3)
+        assert float((gr.double() - gr_ref).abs().max() / scale) < 1e-5, n
+    # back on the default path: the packed cuDNN call gives the same function
+    m.capturable_training(False)
+    torch.testing.assert_close(m(x, s0, r)[0], y, atol=TOL, rtol=TOL)
+
+
+def test_rnn_capturable_scan_refuses_dropout_and_reaches_both_critic_memories():
+    with pytest.raises(ValueError, match="no dropout between layers; build the memory with dropout=0"):
+        _memory("gru", dropout=0.1).capturable_training(True)
+    _memory("gru", dropout=0.1).capturable_training(False)  # the default path keeps nn.GRU's dropout
+    pair = ActorCriticMemory("lstm", F_IN, **SMALL["lstm"])
+    pair.capturable_training(True)
+    assert pair.actor._scan_resets and pair.critic._scan_resets and not pair.train_graph_auto
+    assert ActorCriticMemory("efla", F_IN, **SMALL["efla"]).train_graph_auto
 
 
 @pytest.mark.parametrize("name", ["gru", "lstm"])

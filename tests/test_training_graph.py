@@ -28,7 +28,7 @@ from rlseq.algos.training import TrainStep, graph_obstacles
 from tests.helpers import collect_rollout as _collect
 
 MEMORY_KWARGS = {"efla": {"n_heads": 2, "head_dim": 16}, "deltanet": {"n_heads": 2, "head_dim": 16},
-                 "lstm": {"hidden_size": 32}, "none": {}}
+                 "gru": {"hidden_size": 24}, "lstm": {"hidden_size": 32}, "none": {}}
 FUSED = dict(eps=1e-5, fused=True)
 LR = 2.0**-11  # exact in float32: the tensor and the float learning rate are the same number
 cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1",
@@ -109,6 +109,24 @@ def test_eager_train_step_equals_the_eager_loop_bitwise(memory, clip_range_vf):
     assert not hasattr(stepped.policy.optimizer, "found_inf")
     # its own phase: the bench's table shows train_step in place of train_forward / train_backward / optimizer
     assert stepped.phases.totals["train_step"] > 0 and "train_forward" not in stepped.phases.totals
+    stepped.env.close(), eager.env.close()
+
+
+@pytest.mark.parametrize("memory", ["gru", "lstm"])
+def test_eager_train_step_equals_the_eager_loop_with_the_rnn_scan(memory):
+    """The capturable training pass of the GRU and LSTM (a masked scan) through the TrainStep a graph captures
+    equals the eager loop on the same pass, bitwise; ``train()`` itself leaves the memory on its eager path where
+    there is no graph."""
+    eager, stepped = _twins(_cartpole, memory=memory)
+    for model in (eager, stepped):
+        model.policy.memory.capturable_training(True)
+    step = TrainStep(stepped)
+    for seed in (1, 2):
+        _train_both(eager, stepped, step, seed)
+        _assert_same_training(eager, stepped)
+    assert eager.policy.memory._scan_resets and stepped.policy.memory._scan_resets
+    eager.train()  # on the CPU: no graph, so the packed path
+    assert not eager.policy.memory._scan_resets
     stepped.env.close(), eager.env.close()
 
 
@@ -242,7 +260,7 @@ def test_cuda_graph_train_true_warns_once_false_never_and_other_values_are_refus
         _cartpole(cuda_graph_train="auto")
 
 
-def test_obstacles_name_the_unfused_optimizer_target_kl_and_the_lstm():
+def test_obstacles_name_the_unfused_optimizer_and_target_kl_and_auto_leaves_out_the_rnns():
     assert graph_obstacles(_cartpole()) == ["the model is on cpu, not a CUDA device"]
     unfused = _cartpole(optimizer_kwargs=None)
     reasons = graph_obstacles(unfused)
@@ -255,7 +273,10 @@ def test_obstacles_name_the_unfused_optimizer_target_kl_and_the_lstm():
     capturable = _cartpole(optimizer_kwargs=dict(eps=1e-5, capturable=True))
     assert any("fused=True" in r for r in graph_obstacles(capturable))  # unfused capturable Adam refuses found_inf
     assert any("target_kl=0.02" in r for r in graph_obstacles(_cartpole(target_kl=0.02)))
-    assert any("lstm memory" in r for r in graph_obstacles(_cartpole("lstm")))
+    for memory in ("gru", "lstm"):  # capturable (their scan), but auto trains them eagerly; asked for, they are wanted
+        assert graph_obstacles(_cartpole(memory)) == ["the model is on cpu, not a CUDA device"]
+        assert not _cartpole(memory)._graph_wanted() and _cartpole(memory, cuda_graph_train=True)._graph_wanted()
+    assert _cartpole("efla")._graph_wanted() and not _cartpole("efla", cuda_graph_train=False)._graph_wanted()
     env = make_vec_env("CartPole-v1", n_envs=2, seed=0)
     adamw = MemoryPPO("MlpPolicy", env, n_steps=8, n_minibatches=2, device="cpu",
                       policy_kwargs=dict(memory="none", optimizer_class=torch.optim.AdamW, optimizer_kwargs=FUSED))
@@ -311,13 +332,13 @@ def test_cli_and_bench_plumb_the_option(capsys):
     assert cfg()["cuda_graph_train"] == "auto"  # the config's default
     assert cfg("--fused-adam")["cuda_graph_train"] == "auto"
     assert cfg("--cuda-graph-train", "--fused-adam")["cuda_graph_train"] is True
+    assert cfg("--cuda-graph-train", "--fused-adam", "--memory", "lstm")["cuda_graph_train"] is True
     assert cfg("--fused-adam", "--no-cuda-graph-train")["cuda_graph_train"] is False
     assert cfg("--algo", "sb3-recurrent-ppo", "--memory", "efla")["cuda_graph_train"] is False
     assert cfg("--cuda-graph-train", "--fused-adam", "--algo", "sb3-recurrent-ppo", "--memory", "efla",
                "--no-cuda-graph-train")["cuda_graph_train"] is False
     for argv, message in [(["--cuda-graph-train"], "needs --fused-adam"),
                           (["--cuda-graph-train", "--fused-adam", "--device", "cpu"], "needs a GPU"),
-                          (["--cuda-graph-train", "--fused-adam", "--memory", "lstm"], "cannot capture the lstm"),
                           (["--cuda-graph-train", "--algo", "sb3-recurrent-ppo"], "needs --algo rlseq")]:
         with pytest.raises(UsageError, match=message):
             cfg(*argv)
@@ -336,9 +357,7 @@ def test_cli_and_bench_plumb_the_option(capsys):
         model, built = BT._build(variant, tiny, "cpu")
         assert model.cuda_graph_train is expected and built["cuda_graph_train"] is expected, variant
         model.env.close()
-    with pytest.raises(SystemExit):
-        parser.parse_args(["--variants", "rlseq-lstm+fused+tgraph"])
-    assert "tgraph cannot capture rlseq-lstm" in capsys.readouterr().err
+    assert BT.settings(parser.parse_args(["--variants", "rlseq-lstm+fused+tgraph"]).variants[0])["cuda_graph_train"]
     with pytest.raises(SystemExit, match="needs a GPU"):
         BT.main(parser.parse_args(["--variants", "rlseq-efla+fused+tgraph", "--device", "cpu"]))
     with pytest.raises(SystemExit):
@@ -379,10 +398,12 @@ GRAPH_RTOL, GRAPH_ATOL = 1e-6, 1e-7
 
 
 @cuda
-@pytest.mark.parametrize("memory", ["efla", "deltanet", "none"])
+@pytest.mark.parametrize("memory", ["efla", "deltanet", "none", "gru", "lstm"])
 def test_graph_train_equals_eager_train(memory, deterministic_cudnn):
+    """Graph replays against the eager loop on the same training pass (the GRU's and LSTM's scan in both)."""
     lr = lambda progress: 2.0**-11 if progress > 0.5 else 2.0**-12  # noqa: E731  (a schedule, float32-exact)
     eager, graph = _twins(_procgen, memory=memory, learning_rate=lr, second=dict(cuda_graph_train=True))
+    eager.policy.memory.capturable_training(True)
     graphs = []
     for seed, progress in ((1, 1.0), (2, 0.3), (3, 0.2)):
         eager._current_progress_remaining = graph._current_progress_remaining = progress

@@ -77,9 +77,11 @@ class MemoryPPO(PPO):
     step) from a CUDA graph (see :class:`~rlseq.algos.training.TrainStep`): the same computation in the same order,
     one launch per minibatch instead of hundreds (the learning rate is read from a float32 tensor: a rate that is not a
     float32 number is rounded by at most 6e-8 relative). It needs a CUDA device, fused Adam/AdamW and
-    ``target_kl=None``, and is not available for the lstm memory (:func:`~rlseq.algos.training.graph_obstacles`
-    lists what stands in the way). ``None`` (the default, "auto") uses the graph whenever nothing stands in the way
-    and otherwise trains eagerly without a word; ``True`` asks for it: when it cannot be used, ``train()`` warns
+    ``target_kl=None`` (:func:`~rlseq.algos.training.graph_obstacles` lists what stands in the way); the memory's
+    training pass is made capturable for it (:meth:`~rlseq.policies.memory.Memory.capturable_training`: the GRU and
+    LSTM then scan over time instead of packing episode segments for cuDNN). ``None`` (the default, "auto") uses the
+    graph whenever nothing stands in the way, except for memories that train faster eagerly
+    (``memory.train_graph_auto`` False: the GRU and LSTM), and otherwise trains eagerly without a word; ``True`` asks for it: when it cannot be used, ``train()`` warns
     once why and runs its eager loop; ``False`` always trains eagerly. It is saved with the model (set
     ``model.cuda_graph_train`` after loading to change it). A capture that fails raises, auto or not (an aborted
     capture can leave the process's CUDA state unusable). With the graph a non-finite loss is found after the last
@@ -326,19 +328,26 @@ class MemoryPPO(PPO):
 
     def train(self) -> None:
         """PPO updates on the rollout buffer: ``n_epochs`` passes over ``n_minibatches`` random env subsets, eagerly
-        or, when :meth:`trains_from_graph`, each update replayed from a CUDA graph (:class:`~rlseq.algos.training.TrainStep`)."""
-        self._train(self._graph_train_step())
+        or, when :meth:`trains_from_graph`, each update replayed from a CUDA graph (:class:`~rlseq.algos.training.TrainStep`),
+        the memory's training pass then in its capturable form."""
+        step = self._graph_train_step()
+        self.policy.memory.capturable_training(step is not None)
+        self._train(step)
 
     def trains_from_graph(self) -> bool:
-        """Whether ``train()`` replays its minibatch updates from a CUDA graph: ``cuda_graph_train`` is True or None
-        (auto) and :func:`~rlseq.algos.training.graph_obstacles` finds nothing in the way."""
-        return self.cuda_graph_train is not False and not graph_obstacles(self)
+        """Whether ``train()`` replays its minibatch updates from a CUDA graph: ``cuda_graph_train`` is True, or None
+        (auto) for a memory with ``train_graph_auto``, and :func:`~rlseq.algos.training.graph_obstacles` finds
+        nothing in the way."""
+        return self._graph_wanted() and not graph_obstacles(self)
+
+    def _graph_wanted(self) -> bool:
+        return self.cuda_graph_train is True or (self.cuda_graph_train is None and self.policy.memory.train_graph_auto)
 
     def _graph_train_step(self) -> TrainStep | None:
         """The CUDA-graph :class:`TrainStep` for this ``train()`` call, or None for the eager loop: when
         ``cuda_graph_train`` is False, or when the graph cannot be used (auto: silently; True: one warning saying
         why). A capture that fails raises (:class:`TrainStep`)."""
-        if self.cuda_graph_train is False:
+        if not self._graph_wanted():
             return None
         reasons = graph_obstacles(self)
         if reasons:

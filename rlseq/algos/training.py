@@ -99,9 +99,6 @@ def graph_obstacles(model: MemoryPPO) -> list[str]:
     if model.target_kl is not None:
         reasons.append(f"target_kl={model.target_kl} is set: its early stop reads approx_kl on the host after every "
                        "minibatch")
-    memory = model.policy.memory
-    if memory.train_graph_obstacle is not None:
-        reasons.append(f"the {memory.name} memory: {memory.train_graph_obstacle}, which a CUDA graph cannot capture")
     return reasons
 
 

@@ -75,19 +75,9 @@ def _variant(name: str) -> str:
             raise argparse.ArgumentTypeError(f"unknown option {option!r} of {name}; valid: {', '.join(OPTIONS)}")
         if option != "tf32" and not base.startswith("rlseq-"):
             raise argparse.ArgumentTypeError(f"{option} applies to the rlseq variants only, not {base}")
-        if option == "tgraph" and _train_graph_obstacle(base) is not None:
-            raise argparse.ArgumentTypeError(f"tgraph cannot capture {base}'s training pass "
-                                             f"({_train_graph_obstacle(base)})")
     if "tgraph" in options and "fused" not in options:
         raise argparse.ArgumentTypeError(f"tgraph needs fused Adam: add +fused to {name}")
     return name
-
-
-def _train_graph_obstacle(base: str) -> str | None:
-    """Why an rlseq variant's training pass cannot be captured in a CUDA graph (its memory's reason), or None."""
-    from rlseq.policies.memory import memory_class
-
-    return memory_class(base.removeprefix("rlseq-")).train_graph_obstacle if base.startswith("rlseq-") else None
 
 
 def settings(variant: str) -> dict:

@@ -115,11 +115,13 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
 
     Attributes:
         name: registry name.
-        train_graph_obstacle: why the training pass cannot be captured in a CUDA graph (a host read), or None.
+        train_graph_auto: whether ``cuda_graph_train``'s auto captures the training pass (every memory's can be
+            captured once :meth:`capturable_training` is on; auto leaves out those whose capturable path is not
+            their fastest eager one).
     """
 
     name: str = "abstract"
-    train_graph_obstacle: str | None = None
+    train_graph_auto = True
     has_read = True  # False for the memoryless control, which has no read to join (and so no gate)
 
     def __init__(self, in_features: int, *, d_model: int | None = None, conv_size: int = DEFAULT_CONV_SIZE,
@@ -155,6 +157,11 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
     def initial_state(self, batch_size: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Zero state for ``batch_size`` sequences: one float32 tensor ``[B, N]``."""
         return torch.zeros(batch_size, *self.state_shape, dtype=torch.float32, device=device)
+
+    def capturable_training(self, on: bool = True) -> None:
+        """``on``: ``forward`` runs without host reads, so that a CUDA graph can capture the training pass (the
+        same function, computed in another order); off: its default path. A no-op for memories whose ``forward``
+        never reads the host."""
 
     @property
     @abc.abstractmethod
@@ -536,14 +543,17 @@ class _RNNMemory(Memory):
     the whole batch goes through at once; otherwise every sequence is cut into its episode segments, the segments
     are packed (``pack_padded_sequence``) and run together, the first segment of each sequence from the carried
     state and every later one from zeros. No Python loop over time steps, unlike sb3-contrib's
-    ``_process_sequence``.
+    ``_process_sequence``. Packing reads the segment lengths on the host, which a CUDA graph cannot capture: with
+    :meth:`capturable_training` on, ``forward`` is instead a masked scan over time (:meth:`_scan`) on the same
+    weights, the state zeroed where an episode starts.
 
     ``hidden_size`` (default ``2·d_model``: 256 at the default width), ``num_layers``, ``recurrent_init`` (one of
     :data:`RECURRENT_INITS`: ``"uniform"``, PyTorch's default, or ``"orthogonal"``) and ``join`` (the
     block's) are arguments; the rest go to ``nn.GRU`` / ``nn.LSTM``.
     """
 
-    train_graph_obstacle = "its training pass reads the episode starts on the host (nonzero, pack_padded_sequence)"
+    # auto trains them eagerly: the capturable scan replaces one cuDNN call by T small steps per layer
+    train_graph_auto = False
     # nn.GRU / nn.LSTM keywords set here, or that the block cannot carry (proj_size changes the shape of h, which
     # the state and the output projection assume to be hidden_size): the others may be passed on
     fixed_rnn_keywords = ("mode", "input_size", "hidden_size", "num_layers", "batch_first", "bidirectional",
@@ -568,6 +578,13 @@ class _RNNMemory(Memory):
         if recurrent_init == "orthogonal":
             self._orthogonal_init()
         self.out_proj = nn.Linear(self.hidden_size, self.d_model)
+        self._scan_resets = False
+
+    def capturable_training(self, on: bool = True) -> None:
+        if on and self.rnn.dropout > 0:
+            raise ValueError(f"{type(self).__name__}: the capturable training pass (a masked scan) has no dropout "
+                             f"between layers; build the memory with dropout=0 (it has {self.rnn.dropout})")
+        self._scan_resets = bool(on)
 
     @torch.no_grad()
     def _orthogonal_init(self) -> None:
@@ -601,6 +618,8 @@ class _RNNMemory(Memory):
     def _core(self, u, state, resets, *, h):
         B, T = u.shape[:2]
         state = state.to(u.dtype)  # [B, P, L, hidden], the core's part
+        if self._scan_resets:
+            return self._scan(u, state, resets)
         if resets is None or not bool(resets[:, 1:].any()):
             # Fast path: no episode starts after t = 0, one call over the whole batch.
             if resets is not None:
@@ -630,6 +649,36 @@ class _RNNMemory(Memory):
         # The last segment of each sequence holds its final state.
         last = torch.diff(seg_b, append=seg_b.new_tensor([B])).nonzero().flatten()
         return self.out_proj(y), self._pack(final)[last]
+
+    def _scan(self, u: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward``'s core without host reads: each layer's input projection over all ``T`` steps at once, then
+        one :meth:`_cell` per step on the layer's state, zeroed (every part) where ``resets`` starts an episode.
+        ``u [B, T, d]``, ``state [B, P, L, hidden]`` → ``(m [B, T, d], final [B, P, L, hidden])``."""
+        T = u.shape[1]
+        keep = None if resets is None else (~resets).to(u.dtype).unsqueeze(-1)  # [B, T, 1]
+        x, finals = u, []
+        for layer in range(self.num_layers):
+            w_hh = getattr(self.rnn, f"weight_hh_l{layer}")
+            b_hh = getattr(self.rnn, f"bias_hh_l{layer}", None)
+            gates_x = F.linear(x, getattr(self.rnn, f"weight_ih_l{layer}"), getattr(self.rnn, f"bias_ih_l{layer}", None))
+            parts = tuple(state[:, i, layer] for i in range(self.n_parts))
+            ys = []
+            for t in range(T):
+                if keep is not None:
+                    parts = tuple(p * keep[:, t] for p in parts)
+                parts = self._cell(gates_x[:, t], F.linear(parts[0], w_hh, b_hh), parts)
+                ys.append(parts[0])
+            x = torch.stack(ys, 1)
+            finals.append(torch.stack(parts, 1))  # [B, P, hidden]
+        return self.out_proj(x), torch.stack(finals, 2)
+
+    @staticmethod
+    @abc.abstractmethod
+    def _cell(gates_x: torch.Tensor, gates_h: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """One step of the RNN from the input's and the state's gate pre-activations (``[B, G·hidden]`` each, in
+        PyTorch's gate order and with its biases) and the state's parts ``([B, hidden], ...)`` → the new parts,
+        h first."""
 
     def _core_step(self, u, state, resets, *, h):
         if resets is not None:
@@ -669,6 +718,14 @@ class GRUMemory(_RNNMemory):
     n_parts = 1
     _part_names = "h=0"
 
+    @staticmethod
+    def _cell(gates_x, gates_h, parts):
+        # nn.GRU's definition: r, z = σ(·), n = tanh(x_n + r ⊙ (W_hn h + b_hn)), h' = (1 − z) ⊙ n + z ⊙ h
+        H = gates_h.shape[-1] // 3
+        r, z = torch.sigmoid(gates_x[:, :2 * H] + gates_h[:, :2 * H]).chunk(2, -1)
+        n = torch.tanh(torch.addcmul(gates_x[:, 2 * H:], r, gates_h[:, 2 * H:]))
+        return (torch.lerp(n, parts[0], z),)
+
 
 class LSTMMemory(_RNNMemory):
     """``nn.LSTM`` baseline in the shared block: core state ``[B, 2, num_layers, hidden_size]`` float32, h at
@@ -680,6 +737,13 @@ class LSTMMemory(_RNNMemory):
     rnn_class = nn.LSTM
     n_parts = 2
     _part_names = "h=0/c=1"
+
+    @staticmethod
+    def _cell(gates_x, gates_h, parts):
+        # nn.LSTM's definition, gates i, f, g, o: c' = σ(f) ⊙ c + σ(i) ⊙ tanh(g), h' = σ(o) ⊙ tanh(c')
+        i, f, g, o = (gates_x + gates_h).chunk(4, -1)
+        c = torch.sigmoid(f) * parts[1] + torch.sigmoid(i) * torch.tanh(g)
+        return torch.sigmoid(o) * torch.tanh(c), c
 
     def __init__(self, in_features: int, *, forget_bias: float | None = None, **kwargs: Any) -> None:
         super().__init__(in_features, **kwargs)
@@ -715,7 +779,7 @@ class ActorCriticMemory(nn.Module):
         self.actor = make_memory(name, in_features, **memory_kwargs)
         self.critic = make_memory(name, in_features, **memory_kwargs)
         self.name = self.actor.name
-        self.train_graph_obstacle = self.actor.train_graph_obstacle
+        self.train_graph_auto = self.actor.train_graph_auto
         self.in_features = self.actor.in_features
         self.d_model = self.actor.d_model
         self.out_features = 2 * self.actor.out_features
@@ -749,6 +813,10 @@ class ActorCriticMemory(nn.Module):
         actor_state, critic_state = self.split(state)
         return {**self.actor.diagnostics(x, actor_state, resets),
                 **{f"critic_{k}": v for k, v in self.critic.diagnostics(x, critic_state, resets).items()}}
+
+    def capturable_training(self, on: bool = True) -> None:
+        self.actor.capturable_training(on)
+        self.critic.capturable_training(on)
 
     def check_finite(self, state: torch.Tensor, where: str) -> None:
         actor_state, critic_state = self.split(state)
