@@ -358,6 +358,21 @@ def test_cli_and_bench_plumb_the_option(capsys):
         assert model.cuda_graph_train is expected and built["cuda_graph_train"] is expected, variant
         model.env.close()
     assert BT.settings(parser.parse_args(["--variants", "rlseq-lstm+fused+tgraph"]).variants[0])["cuda_graph_train"]
+    # cuDNN autotuning: a process-wide switch like tf32, so any variant, set before the variant builds and runs
+    tuned = BT.settings(parser.parse_args(["--variants", "sb3-ppo+autotune"]).variants[0])
+    assert tuned["cudnn_benchmark"] and BT.describe_settings(tuned).endswith(", cuDNN autotuned")
+    assert not BT.settings("rlseq-efla+tf32")["cudnn_benchmark"]
+    before = torch.backends.cudnn.benchmark
+    try:
+        BT._apply_switches("rlseq-efla+autotune")
+        assert torch.backends.cudnn.benchmark
+        BT._apply_switches("rlseq-efla")
+        assert not torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.cudnn.benchmark = before
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--variants", "sb3-ppo+nhwc"])
+    assert "nhwc applies to the rlseq variants only, not sb3-ppo" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="needs a GPU"):
         BT.main(parser.parse_args(["--variants", "rlseq-efla+fused+tgraph", "--device", "cpu"]))
     with pytest.raises(SystemExit):

@@ -18,8 +18,9 @@ baseline of ``rlseq-lstm``) use the IMPALA CNN of the config.
 Speed settings, one per ``+`` option of a variant, labelled in the tables: ``tf32`` (TF32 convolutions and
 matmuls; off by default, as in ``python -m rlseq.train``, so the baseline is true fp32), ``bf16`` (the CNN in bf16
 autocast), ``fused`` (fused Adam), ``graph`` (acting replayed from a CUDA graph), ``tgraph`` (each PPO minibatch
-update replayed from a CUDA graph; needs ``fused``) and ``nhwc`` (channels-last CNN); all but ``tf32`` for the
-rlseq variants only (the sb3 variants stay stock). One call compares them side by side in one process::
+update replayed from a CUDA graph; needs ``fused``), ``nhwc`` (channels-last CNN) and ``autotune`` (cuDNN times its
+convolution algorithms per shape and keeps the fastest, ``torch.backends.cudnn.benchmark``); all but ``tf32`` and
+``autotune`` for the rlseq variants only (the sb3 variants stay stock). One call compares them side by side in one process::
 
     python -m rlseq.bench train --variants rlseq-efla rlseq-efla+graph rlseq-efla+graph+bf16+fused+tf32
     python -m rlseq.bench train --variants rlseq-efla+graph+bf16+fused+nhwc+tf32 rlseq-efla+graph+bf16+fused+nhwc+tf32+tgraph
@@ -41,7 +42,8 @@ from rlseq.threads import add_torch_threads_argument, set_torch_threads
 
 VARIANTS = ("rlseq-none", "rlseq-efla", "rlseq-deltanet", "rlseq-gru", "rlseq-lstm", "sb3-lstm", "sb3-lstm-impala", "sb3-ppo")
 # per-variant settings: VARIANT+OPTION[+OPTION...]
-OPTIONS = ("bf16", "fused", "tf32", "graph", "tgraph", "nhwc")
+OPTIONS = ("bf16", "fused", "tf32", "graph", "tgraph", "nhwc", "autotune")
+PROCESS_OPTIONS = ("tf32", "autotune")  # process-wide switches: any variant
 # train_step: a minibatch update replayed from a CUDA graph (tgraph), in place of train_forward/backward/optimizer
 PHASES = ("env", "act", "buffer", "train_forward", "train_backward", "optimizer", "train_step", "diagnostics")
 
@@ -50,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--env", default="caveflyer")
     parser.add_argument("--variants", nargs="+", default=None, type=_variant, metavar="VARIANT[+OPTION]",
                         help=f"{', '.join(VARIANTS)} (default: all; sb3-lstm-impala only on procgen); options (rlseq "
-                             f"variants): {', '.join(OPTIONS)} (tf32: any variant)")
+                             f"variants): {', '.join(OPTIONS)} ({' and '.join(PROCESS_OPTIONS)}: any variant)")
     parser.add_argument("--n-envs", type=int, default=None, help="default: the config's (64)")
     parser.add_argument("--n-steps", type=int, default=None, help="default: the config's (256)")
     parser.add_argument("--n-minibatches", type=int, default=None)
@@ -73,7 +75,7 @@ def _variant(name: str) -> str:
     for option in options:
         if option not in OPTIONS:
             raise argparse.ArgumentTypeError(f"unknown option {option!r} of {name}; valid: {', '.join(OPTIONS)}")
-        if option != "tf32" and not base.startswith("rlseq-"):
+        if option not in PROCESS_OPTIONS and not base.startswith("rlseq-"):
             raise argparse.ArgumentTypeError(f"{option} applies to the rlseq variants only, not {base}")
     if "tgraph" in options and "fused" not in options:
         raise argparse.ArgumentTypeError(f"tgraph needs fused Adam: add +fused to {name}")
@@ -81,18 +83,20 @@ def _variant(name: str) -> str:
 
 
 def settings(variant: str) -> dict:
-    """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last"}`` of one variant, from its
-    ``+`` options (:func:`_variant` keeps all but tf32 to the rlseq variants). ``cuda_graph_train`` is always True or
+    """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last", "cudnn_benchmark"}`` of one
+    variant, from its ``+`` options (:func:`_variant` keeps all but tf32 and autotune to the rlseq variants). ``cuda_graph_train`` is always True or
     False, never ``python -m rlseq.train``'s auto: only tgraph turns it on."""
     options = variant.split("+")[1:]
     return {"tf32": "tf32" in options, "amp": "bf16" if "bf16" in options else None, "fused_adam": "fused" in options,
-            "cuda_graph": "graph" in options, "cuda_graph_train": "tgraph" in options, "channels_last": "nhwc" in options}
+            "cuda_graph": "graph" in options, "cuda_graph_train": "tgraph" in options, "channels_last": "nhwc" in options,
+            "cudnn_benchmark": "autotune" in options}
 
 
 def describe_settings(s: dict) -> str:
     return (f"TF32 {'on' if s['tf32'] else 'off'}, CNN {s['amp'] or 'fp32'}, Adam {'fused' if s['fused_adam'] else 'unfused'}, "
             f"acting {'CUDA graph' if s.get('cuda_graph') else 'eager'}, CNN layout {'NHWC' if s.get('channels_last') else 'NCHW'}"
-            + (", training CUDA graph" if s.get("cuda_graph_train") else ""))
+            + (", training CUDA graph" if s.get("cuda_graph_train") else "")
+            + (", cuDNN autotuned" if s.get("cudnn_benchmark") else ""))
 
 
 def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None = None) -> dict:
@@ -113,8 +117,11 @@ def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None
 
 
 def _apply_switches(variant: str) -> None:
-    """Set the process-wide TF32 switches of ``variant`` (read when kernels run: before it builds or runs)."""
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = settings(variant)["tf32"]
+    """Set the process-wide TF32 and cuDNN autotuning switches of ``variant`` (read when kernels run: before it
+    builds or runs)."""
+    s = settings(variant)
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = s["tf32"]
+    torch.backends.cudnn.benchmark = s["cudnn_benchmark"]
 
 
 def _build(variant: str, args: argparse.Namespace, device: str):
