@@ -310,6 +310,34 @@ def test_gae_is_exact_at_a_value_shift_of_1e6():
     torch.testing.assert_close(buf.returns, ret_ref.float(), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("T", [1, 2, 7, 128, 300])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e4])
+def test_gae_scan_matches_the_step_by_step_recursion(T, scale):
+    """The buffer's GAE (a log-depth scan) against the float64 loop, on fresh random rewards and values of several
+    scales, with episode starts at random positions, back to back and at t = 0, and some envs done at the end."""
+    from gymnasium import spaces
+
+    from rlseq.algos.buffer import SequenceRolloutBuffer
+
+    E, gamma, lam = 6, 0.99, 0.95
+    g = torch.Generator().manual_seed(T)
+    buf = SequenceRolloutBuffer(T, E, spaces.Box(-1, 1, (3,)), spaces.Discrete(2), "cpu", gamma=gamma, gae_lambda=lam)
+    buf.reset(torch.zeros(E, 4))
+    starts = torch.rand(T + 1, E, generator=g) < 0.1
+    starts[0, 0] = True
+    starts[1: 3, 1] = True  # back to back (t = 1, 2 where T allows)
+    for t in range(T):
+        buf.add_step(torch.zeros(E, 3), torch.zeros(E, dtype=torch.long), starts[t],
+                     scale * torch.randn(E, generator=g), torch.zeros(E))
+        buf.add_rewards(scale * torch.randn(E, generator=g))
+    last_values, dones = scale * torch.randn(E, generator=g), starts[T]
+    adv_ref, ret_ref = _gae64(buf.rewards, buf.values, buf.episode_starts, last_values, dones, gamma, lam)
+    buf.compute_returns_and_advantage(last_values, dones)
+    # float32 storage of float64 results: one rounding each
+    torch.testing.assert_close(buf.advantages, adv_ref.float(), rtol=0, atol=0)
+    torch.testing.assert_close(buf.returns, ret_ref.float(), rtol=0, atol=0)
+
+
 def test_rewards_of_size_1e_3_give_the_critic_targets_of_size_one():
     """CartPole with rewards ×1e-3 (returns ~0.01 ± 0.005): from the first update on, the normalised targets
     (R − μ)/σ have a spread of ~1. A head with a random start sets the first statistics with its own outputs (σ 0.5,

@@ -110,17 +110,10 @@ class SequenceRolloutBuffer:
         exact to float32's relative precision, and the returns to half an ulp of their own size.
         """
         rewards, values = self.rewards.double(), self.values.double()
-        not_start = (~self.episode_starts).double()
-        advantages = torch.empty_like(values)
-        last_gae = torch.zeros(self.n_envs, dtype=torch.float64, device=self.device)
-        for t in reversed(range(self.n_steps)):
-            if t == self.n_steps - 1:
-                next_non_terminal, next_values = 1.0 - dones.double(), last_values.double()
-            else:
-                next_non_terminal, next_values = not_start[t + 1], values[t + 1]
-            delta = rewards[t] + self.gamma * next_values * next_non_terminal - values[t]
-            last_gae = delta + self.gamma * self.gae_lambda * next_non_terminal * last_gae
-            advantages[t] = last_gae
+        next_non_terminal = torch.cat([(~self.episode_starts[1:]).double(), 1.0 - dones.double().view(1, -1)])
+        next_values = torch.cat([values[1:], last_values.double().view(1, -1)])
+        deltas = rewards + self.gamma * next_values * next_non_terminal - values
+        advantages = reverse_linear_recurrence(deltas, self.gamma * self.gae_lambda * next_non_terminal)
         self.advantages.copy_(advantages)
         self.returns.copy_(advantages + values)
 
@@ -159,3 +152,18 @@ class SequenceRolloutBuffer:
         if self.initial_state is not None:
             tensors.append(self.initial_state)
         return int(sum(t.numel() * t.element_size() for t in tensors))
+
+
+def reverse_linear_recurrence(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``a[t] = x[t] + c[t] · a[t+1]`` over dim 0 with ``a[T] = 0`` (GAE's recursion), for ``x``, ``c`` of one shape
+    ``[T, ...]``: a scan of the affine maps ``y ↦ x[t] + c[t] y`` in ⌈log2 T⌉ steps of a few whole-tensor operations
+    (Hillis–Steele), instead of T steps of a loop (on a GPU, T rounds of kernel launches)."""
+    a, c = x.clone(), c.clone()
+    k = 1
+    while k < a.shape[0]:
+        # each a[t] (c[t]) holds the composition of the maps t .. t+k-1; append the next k (the right-hand sides
+        # are evaluated before the writes)
+        a[:-k] = a[:-k] + c[:-k] * a[k:]
+        c[:-k] = c[:-k] * c[k:]
+        k *= 2
+    return a
