@@ -42,7 +42,8 @@ def _resume_point(folder: Path) -> Path | None:
 
 # keys a resumed run may change: the budget, the checkpoint interval, how much it prints, where it runs (device,
 # torch threads) and how
-# acting and training are launched (the same computation); amp, fused_adam and channels_last are the checkpoint's
+# acting and training are launched (the same computation; for the GRU and LSTM the training graph's scan is the same
+# function with other rounding); amp, fused_adam and channels_last are the checkpoint's
 # (see _adopt_saved_speed_settings); a change of TF32 (rounding on a GPU) is stated
 RESUME_FREE_KEYS = frozenset({"n_timesteps", "checkpoint_every", "verbose", "device", "torch_threads", "cuda_graph",
                               "cuda_graph_train", "amp", "fused_adam", "channels_last", "tf32"})

@@ -528,17 +528,22 @@ def test_rnn_exact_resets(name, with_resets, join):
 
 
 @pytest.mark.parametrize("join", JOINS)
-@pytest.mark.parametrize(("name", "hidden_size", "num_layers", "T"),
-                         [("gru", 12, 2, 23), ("gru", 7, 1, 17), ("lstm", 20, 2, 23), ("lstm", 9, 1, 31)])
-def test_rnn_capturable_scan_matches_float64_loop(name, hidden_size, num_layers, T, join):
+@pytest.mark.parametrize(("name", "hidden_size", "num_layers", "T", "bias"),
+                         [("gru", 12, 2, 23, True), ("gru", 7, 1, 17, False), ("lstm", 20, 2, 23, True),
+                          ("lstm", 9, 1, 31, False)])
+@pytest.mark.parametrize("with_resets", [True, False])
+def test_rnn_capturable_scan_matches_float64_loop(name, hidden_size, num_layers, T, bias, with_resets, join):
     """The capturable training pass (a masked scan, no host reads) against the per-step loop run on a float64 copy
     of the module: outputs, final state and the gradients of the parameters and the entering state, from a random
-    state, with resets at random positions, at t = 0, back to back and at the last step, in every join."""
-    m = _memory(name, join=join, hidden_size=hidden_size, num_layers=num_layers)
+    state, with resets at random positions, at t = 0, back to back and at the last step (or none: ``resets`` None),
+    with and without biases, in every join."""
+    m = _memory(name, join=join, hidden_size=hidden_size, num_layers=num_layers, bias=bias)
     m.capturable_training(True)
     x, r = _sequence(4, T)
+    if not with_resets:
+        r = torch.zeros_like(r)
     s0 = _random_state(m, 4).requires_grad_(True)
-    y, f = m(x, s0, r)
+    y, f = m(x, s0, r if with_resets else None)
     m64 = copy.deepcopy(m).double()
     s64 = s0.detach().double().requires_grad_(True)
     y_ref, f_ref = _rnn_loop(m64, x.double(), s64, r)
@@ -557,10 +562,30 @@ def test_rnn_capturable_scan_matches_float64_loop(name, hidden_size, num_layers,
     torch.testing.assert_close(m(x, s0, r)[0], y, atol=TOL, rtol=TOL)
 
 
-def test_rnn_capturable_scan_refuses_dropout_and_reaches_both_critic_memories():
-    with pytest.raises(ValueError, match="no dropout between layers; build the memory with dropout=0"):
-        _memory("gru", dropout=0.1).capturable_training(True)
-    _memory("gru", dropout=0.1).capturable_training(False)  # the default path keeps nn.GRU's dropout
+@pytest.mark.filterwarnings("ignore:dropout option adds dropout after all but last")  # nn.GRU's, at one layer
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+def test_rnn_capturable_scan_applies_dropout_between_layers_as_nn_gru(monkeypatch, num_layers):
+    """nn.GRU's dropout: on the output of every layer but the last, in training mode only (the draws are not
+    cuDNN's, so the check is where and when it applies, and that evaluation is the packed pass)."""
+    import rlseq.policies.memory as mem
+
+    m = _memory("gru", num_layers=num_layers, dropout=0.5)
+    m.capturable_training(True)
+    x, r = _sequence(3, 11)
+    s0 = _random_state(m, 3)
+    calls = []
+    dropout = mem.F.dropout
+    monkeypatch.setattr(mem.F, "dropout", lambda z, p, training: calls.append((p, training)) or dropout(z, p, training))
+    y_train = m(x, s0, r)[0]
+    assert calls == [(0.5, True)] * (num_layers - 1)
+    m.eval()
+    y_eval = m(x, s0, r)[0]
+    m.capturable_training(False)
+    torch.testing.assert_close(y_eval, m(x, s0, r)[0], atol=TOL, rtol=TOL)
+    assert (num_layers > 1) == (not torch.allclose(y_train, y_eval, atol=TOL, rtol=TOL))
+
+
+def test_rnn_capturable_scan_reaches_both_critic_memories():
     pair = ActorCriticMemory("lstm", F_IN, **SMALL["lstm"])
     pair.capturable_training(True)
     assert pair.actor._scan_resets and pair.critic._scan_resets and not pair.train_graph_auto

@@ -74,20 +74,21 @@ class MemoryPPO(PPO):
     Pass False for a features extractor or memory that cannot be captured.
 
     ``cuda_graph_train`` replays each PPO minibatch update (forward, loss, backward, gradient clipping, fused Adam
-    step) from a CUDA graph (see :class:`~rlseq.algos.training.TrainStep`): the same computation in the same order,
+    step) from a CUDA graph (see :class:`~rlseq.algos.training.TrainStep`): the same computation in the same order
+    (for the GRU and LSTM: the same function, their scan in place of the packed cuDNN call, so other rounding),
     one launch per minibatch instead of hundreds (the learning rate is read from a float32 tensor: a rate that is not a
     float32 number is rounded by at most 6e-8 relative). It needs a CUDA device, fused Adam/AdamW and
     ``target_kl=None`` (:func:`~rlseq.algos.training.graph_obstacles` lists what stands in the way); the memory's
     training pass is made capturable for it (:meth:`~rlseq.policies.memory.Memory.capturable_training`: the GRU and
     LSTM then scan over time instead of packing episode segments for cuDNN). ``None`` (the default, "auto") uses the
-    graph whenever nothing stands in the way, except for memories that train faster eagerly
-    (``memory.train_graph_auto`` False: the GRU and LSTM), and otherwise trains eagerly without a word; ``True`` asks for it: when it cannot be used, ``train()`` warns
-    once why and runs its eager loop; ``False`` always trains eagerly. It is saved with the model (set
-    ``model.cuda_graph_train`` after loading to change it). A capture that fails raises, auto or not (an aborted
-    capture can leave the process's CUDA state unusable). With the graph a non-finite loss is found after the last
-    minibatch instead of before the bad update, which (like every later one of that ``train()`` call) is skipped by
-    the optimizer, so the same :class:`FloatingPointError` is raised with the parameters where the eager loop
-    leaves them.
+    graph whenever nothing stands in the way, except for memories whose capturable pass is not known to be faster
+    (``memory.train_graph_auto`` False: the GRU and LSTM), and otherwise trains eagerly without a word; ``True``
+    asks for it: when it cannot be used, ``train()`` warns once why and runs its eager loop; ``False`` always trains
+    eagerly. It is saved with the model (set ``model.cuda_graph_train`` after loading to change it). A capture that
+    fails raises, auto or not (an aborted capture can leave the process's CUDA state unusable). With the graph a
+    non-finite loss is found after the last minibatch instead of before the bad update, which (like every later one
+    of that ``train()`` call) is skipped by the optimizer, so the same :class:`FloatingPointError` is raised with
+    the parameters where the eager loop leaves them.
     """
 
     policy_aliases: ClassVar[dict[str, type]] = {
@@ -331,8 +332,12 @@ class MemoryPPO(PPO):
         or, when :meth:`trains_from_graph`, each update replayed from a CUDA graph (:class:`~rlseq.algos.training.TrainStep`),
         the memory's training pass then in its capturable form."""
         step = self._graph_train_step()
+        # only for the updates: diagnostics and evaluation keep the memory's eager pass
         self.policy.memory.capturable_training(step is not None)
-        self._train(step)
+        try:
+            self._train(step)
+        finally:
+            self.policy.memory.capturable_training(False)
 
     def trains_from_graph(self) -> bool:
         """Whether ``train()`` replays its minibatch updates from a CUDA graph: ``cuda_graph_train`` is True, or None

@@ -83,9 +83,9 @@ def _variant(name: str) -> str:
 
 
 def settings(variant: str) -> dict:
-    """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last", "cudnn_benchmark"}`` of one
-    variant, from its ``+`` options (:func:`_variant` keeps all but tf32 and autotune to the rlseq variants). ``cuda_graph_train`` is always True or
-    False, never ``python -m rlseq.train``'s auto: only tgraph turns it on."""
+    """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last", "cudnn_benchmark"}`` of
+    one variant, from its ``+`` options (:func:`_variant` keeps all but tf32 and autotune to the rlseq variants).
+    ``cuda_graph_train`` is always True or False, never ``python -m rlseq.train``'s auto: only tgraph turns it on."""
     options = variant.split("+")[1:]
     return {"tf32": "tf32" in options, "amp": "bf16" if "bf16" in options else None, "fused_adam": "fused" in options,
             "cuda_graph": "graph" in options, "cuda_graph_train": "tgraph" in options, "channels_last": "nhwc" in options,

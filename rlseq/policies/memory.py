@@ -116,8 +116,8 @@ class Memory(nn.Module, metaclass=abc.ABCMeta):
     Attributes:
         name: registry name.
         train_graph_auto: whether ``cuda_graph_train``'s auto captures the training pass (every memory's can be
-            captured once :meth:`capturable_training` is on; auto leaves out those whose capturable path is not
-            their fastest eager one).
+            captured once :meth:`capturable_training` is on; auto leaves out those whose capturable pass is not
+            known to be faster than their eager one).
     """
 
     name: str = "abstract"
@@ -581,9 +581,6 @@ class _RNNMemory(Memory):
         self._scan_resets = False
 
     def capturable_training(self, on: bool = True) -> None:
-        if on and self.rnn.dropout > 0:
-            raise ValueError(f"{type(self).__name__}: the capturable training pass (a masked scan) has no dropout "
-                             f"between layers; build the memory with dropout=0 (it has {self.rnn.dropout})")
         self._scan_resets = bool(on)
 
     @torch.no_grad()
@@ -653,10 +650,11 @@ class _RNNMemory(Memory):
     def _scan(self, u: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward``'s core without host reads: each layer's input projection over all ``T`` steps at once, then
-        one :meth:`_cell` per step on the layer's state, zeroed (every part) where ``resets`` starts an episode.
+        one :meth:`_cell` per step on the layer's state, zeroed (every part) where ``resets`` starts an episode, and
+        the RNN's dropout between layers as nn.GRU / nn.LSTM apply it (other random draws than cuDNN's).
         ``u [B, T, d]``, ``state [B, P, L, hidden]`` → ``(m [B, T, d], final [B, P, L, hidden])``."""
         T = u.shape[1]
-        keep = None if resets is None else (~resets).to(u.dtype).unsqueeze(-1)  # [B, T, 1]
+        zero = u.new_zeros(())
         x, finals = u, []
         for layer in range(self.num_layers):
             w_hh = getattr(self.rnn, f"weight_hh_l{layer}")
@@ -665,11 +663,13 @@ class _RNNMemory(Memory):
             parts = tuple(state[:, i, layer] for i in range(self.n_parts))
             ys = []
             for t in range(T):
-                if keep is not None:
-                    parts = tuple(p * keep[:, t] for p in parts)
+                if resets is not None:  # exact zeros, as the packed path starts a segment (0 · inf would be NaN)
+                    parts = tuple(torch.where(resets[:, t, None], zero, p) for p in parts)
                 parts = self._cell(gates_x[:, t], F.linear(parts[0], w_hh, b_hh), parts)
                 ys.append(parts[0])
             x = torch.stack(ys, 1)
+            if layer < self.num_layers - 1 and self.rnn.dropout > 0:
+                x = F.dropout(x, self.rnn.dropout, self.training)
             finals.append(torch.stack(parts, 1))  # [B, P, hidden]
         return self.out_proj(x), torch.stack(finals, 2)
 
