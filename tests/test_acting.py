@@ -154,6 +154,25 @@ def test_non_finite_memory_state_is_blamed_on_the_memory():
         ActingStep(policy).step(_obs(IMAGE, 4, rng), np.zeros(4, bool), state, where="here")
 
 
+def test_the_graph_key_follows_the_state_and_every_parameter_that_moves():
+    """What makes the graph be captured again: a new state tensor (or shape), a parameter moved (``.data``
+    replaced, as ``.to()`` does); an in-place update (the optimizer's, ``load_state_dict``'s) keeps the key."""
+    policy = _policy("efla")
+    acting = ActingStep(policy)
+    state = policy.initial_state(4)
+    key = acting.graph_key(state)
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(1.0)
+    policy.load_state_dict(policy.state_dict())
+    assert acting.graph_key(state) == key
+    assert acting.graph_key(state.clone()) != key
+    assert acting.graph_key(policy.initial_state(5)) != key
+    last = list(policy.parameters())[-1]
+    last.data = last.data.clone()
+    assert acting.graph_key(state) != key
+
+
 def test_cuda_graph_needs_a_cuda_device():
     with pytest.raises(ValueError, match="cuda_graph acting needs the policy on a CUDA device; it is on cpu"):
         ActingStep(_policy("none"), cuda_graph=True)

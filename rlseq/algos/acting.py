@@ -63,6 +63,11 @@ class ActingStep:
         self._starts_host: torch.Tensor | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_key: tuple | None = None
+        # the parameters as objects, listed once: walking the modules for them took ~50-150 us a step (52
+        # tensors of the IMPALA policy), their data pointers take ~5 us; a parameter moved by .to() or replaced
+        # in .data shows in its pointer (a Parameter object swapped for a new one would also leave the optimizer
+        # updating the old one)
+        self._params = list(policy.parameters())
         self._out: tuple[torch.Tensor, ...] | None = None
 
     # --- staging ------------------------------------------------------------------------------------------
@@ -114,7 +119,7 @@ class ActingStep:
         :class:`~rlseq.policies.memory.MemoryStateError`) naming ``where`` if the step's outputs are not finite."""
         self._stage(obs, episode_starts, hwc)
         if self.cuda_graph:
-            key = (state.data_ptr(), tuple(state.shape), tuple(p.data_ptr() for p in self.policy.parameters()))
+            key = self.graph_key(state)
             if self._graph is None or key != self._graph_key:
                 self._capture(state)
                 self._graph_key = key
@@ -131,6 +136,11 @@ class ActingStep:
                 "state is finite: the features extractor or the heads produced NaN/inf (check the weights and the "
                 "observations)")
         return ActingOutput(self._obs, self._starts, actions, values, log_probs, actions_np)
+
+    def graph_key(self, state: torch.Tensor) -> tuple:
+        """What the captured graph reads by address: ``state``'s storage and shape, and every parameter's storage.
+        The graph is captured again when it changes."""
+        return state.data_ptr(), tuple(state.shape), tuple(p.data_ptr() for p in self._params)
 
     def _capture(self, state: torch.Tensor) -> None:
         """Warm up on a side stream with a scratch state (cuDNN and cuBLAS handles, Triton compilation), then
