@@ -63,8 +63,8 @@ class ActingStep:
         self._starts_host: torch.Tensor | None = None
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_key: tuple | None = None
-        # the parameters as objects, listed once: walking the modules for them took ~50-150 us a step (52
-        # tensors of the IMPALA policy), their data pointers take ~5 us; a parameter moved by .to() or replaced
+        # the parameters as objects, listed once: walking the modules for them took 140-190 us a step on a busy
+        # 2-core VM (52 tensors of the IMPALA policy), their data pointers ~6 us; a parameter moved by .to() or replaced
         # in .data shows in its pointer (a Parameter object swapped for a new one would also leave the optimizer
         # updating the old one)
         self._params = list(policy.parameters())
