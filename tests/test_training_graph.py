@@ -76,8 +76,9 @@ def _assert_same_training(a: MemoryPPO, b: MemoryPPO, *, rtol: float = 0.0, atol
                                        msg=lambda m: f"optimizer state {i} {key}: {m}")
     la, lb = _logged(a), _logged(b)
     assert la.keys() == lb.keys()
-    for k in la:
-        assert lb[k] == la[k] if rtol == atol == 0 else lb[k] == pytest.approx(la[k], rel=rtol, abs=atol), k
+    for k in la:  # NaN equals NaN here: the explained variance of a rollout without reward under value_norm's zeroed
+        # value head (procgen's first steps) is 0/0; rel = abs = 0 asks for equality
+        assert lb[k] == pytest.approx(la[k], rel=rtol, abs=atol, nan_ok=True), k
     assert a._n_updates == b._n_updates
 
 
