@@ -520,10 +520,11 @@ def test_a_stopped_grid_says_so_in_one_line_and_starts_nothing_more(tmp_path, si
     started = runs[:jobs]  # seed-major: the first `jobs` seeds start, the rest wait
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and not all(M.trained_steps(r, logdir) > 0 for r in started):
+        deadline = time.monotonic() + 900  # a guard against a hang: a busy 2-core machine can take minutes
+        while time.monotonic() < deadline and proc.poll() is None and not all(M.trained_steps(r, logdir) > 0
+                                                                             for r in started):
             time.sleep(0.2)  # each has a checkpoint
-        assert all(M.trained_steps(r, logdir) > 0 for r in started), "no checkpoint within 240 s"
+        assert all(M.trained_steps(r, logdir) > 0 for r in started), "no checkpoint within 900 s"
         proc.send_signal(getattr(signal, sig))
         stdout, stderr = proc.communicate(timeout=120)
     finally:
