@@ -360,6 +360,12 @@ def test_cli_and_bench_plumb_the_option(capsys):
         model.env.close()
     assert BT.settings(parser.parse_args(["--variants", "rlseq-lstm+fused+tgraph"]).variants[0])["cuda_graph_train"]
     # cuDNN autotuning: a process-wide switch like tf32, so any variant, set before the variant builds and runs
+    compiled = BT.settings(parser.parse_args(["--variants", "rlseq-none+compile"]).variants[0])
+    assert compiled["compile"] and BT.describe_settings(compiled).endswith(", extractor compiled")
+    model, _ = BT._build("rlseq-none+compile", tiny, "cpu")  # compiled in place: the checkpoint keys stay
+    assert model.policy.features_extractor._compiled_call_impl is not None
+    assert not any("_orig_mod" in k for k in model.policy.state_dict())
+    model.env.close()
     tuned = BT.settings(parser.parse_args(["--variants", "sb3-ppo+autotune"]).variants[0])
     assert tuned["cudnn_benchmark"] and BT.describe_settings(tuned).endswith(", cuDNN autotuned")
     assert not BT.settings("rlseq-efla+tf32")["cudnn_benchmark"]
@@ -374,6 +380,9 @@ def test_cli_and_bench_plumb_the_option(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--variants", "sb3-ppo+nhwc"])
     assert "nhwc applies to the rlseq variants only, not sb3-ppo" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--variants", "sb3-lstm+compile"])
+    assert "compile applies to the rlseq variants only, not sb3-lstm" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="needs a GPU"):
         BT.main(parser.parse_args(["--variants", "rlseq-efla+fused+tgraph", "--device", "cpu"]))
     with pytest.raises(SystemExit):
@@ -500,6 +509,26 @@ def test_efla_triton_chunk_kernel_runs_inside_the_graph(monkeypatch, determinist
     _train_both(eager, graph, None, 1)
     assert True in calls, "the chunk kernel was not captured"
     _assert_same_training(eager, graph, rtol=GRAPH_RTOL, atol=GRAPH_ATOL)
+    eager.env.close(), graph.env.close()
+
+
+@cuda
+def test_a_compiled_extractor_trains_from_the_graph_as_it_does_eagerly(deterministic_cudnn):
+    """bench train's ``+compile``: the features extractor through torch.compile, compiled while acting and in the
+    warm-up updates, so that the capture records the compiled kernels; the replays then update as the eager loop
+    over the same compiled extractor does."""
+    def compiled(**kwargs) -> MemoryPPO:
+        model = _procgen(**kwargs)
+        model.policy.features_extractor.compile()
+        return model
+
+    eager, graph = _twins(compiled, memory="efla", second=dict(cuda_graph_train=True))
+    for seed in (1, 2):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no fallback
+            _train_both(eager, graph, None, seed)
+        _assert_same_training(eager, graph, rtol=GRAPH_RTOL, atol=GRAPH_ATOL)
+    assert graph._train_step._graph is not None
     eager.env.close(), graph.env.close()
 
 

@@ -18,9 +18,10 @@ baseline of ``rlseq-lstm``) use the IMPALA CNN of the config.
 Speed settings, one per ``+`` option of a variant, labelled in the tables: ``tf32`` (TF32 convolutions and
 matmuls; off by default, as in ``python -m rlseq.train``, so the baseline is true fp32), ``bf16`` (the CNN in bf16
 autocast), ``fused`` (fused Adam), ``graph`` (acting replayed from a CUDA graph), ``tgraph`` (each PPO minibatch
-update replayed from a CUDA graph; needs ``fused``), ``nhwc`` (channels-last CNN) and ``autotune`` (cuDNN times its
-convolution algorithms per shape and keeps the fastest, ``torch.backends.cudnn.benchmark``); all but ``tf32`` and
-``autotune`` for the rlseq variants only (the sb3 variants stay stock). One call compares them side by side in one process::
+update replayed from a CUDA graph; needs ``fused``), ``nhwc`` (channels-last CNN), ``autotune`` (cuDNN times its
+convolution algorithms per shape and keeps the fastest, ``torch.backends.cudnn.benchmark``) and ``compile`` (the
+features extractor through ``torch.compile``, compiled in the warm-up, before any graph is captured); all but
+``tf32`` and ``autotune`` for the rlseq variants only (the sb3 variants stay stock). One call compares them side by side in one process::
 
     python -m rlseq.bench train --variants rlseq-efla rlseq-efla+graph rlseq-efla+graph+bf16+fused+tf32
     python -m rlseq.bench train --variants rlseq-efla+graph+bf16+fused+nhwc+tf32 rlseq-efla+graph+bf16+fused+nhwc+tf32+tgraph
@@ -42,7 +43,7 @@ from rlseq.threads import add_torch_threads_argument, set_torch_threads
 
 VARIANTS = ("rlseq-none", "rlseq-efla", "rlseq-deltanet", "rlseq-gru", "rlseq-lstm", "sb3-lstm", "sb3-lstm-impala", "sb3-ppo")
 # per-variant settings: VARIANT+OPTION[+OPTION...]
-OPTIONS = ("bf16", "fused", "tf32", "graph", "tgraph", "nhwc", "autotune")
+OPTIONS = ("bf16", "fused", "tf32", "graph", "tgraph", "nhwc", "autotune", "compile")
 PROCESS_OPTIONS = ("tf32", "autotune")  # process-wide switches: any variant
 # train_step: a minibatch update replayed from a CUDA graph (tgraph), in place of train_forward/backward/optimizer
 PHASES = ("env", "act", "buffer", "train_forward", "train_backward", "optimizer", "train_step", "diagnostics")
@@ -83,20 +84,22 @@ def _variant(name: str) -> str:
 
 
 def settings(variant: str) -> dict:
-    """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last", "cudnn_benchmark"}`` of
-    one variant, from its ``+`` options (:func:`_variant` keeps all but tf32 and autotune to the rlseq variants).
+    """``{"tf32", "amp", "fused_adam", "cuda_graph", "cuda_graph_train", "channels_last", "cudnn_benchmark",
+    "compile"}`` of one variant, from its ``+`` options (:func:`_variant` keeps all but tf32 and autotune to the
+    rlseq variants).
     ``cuda_graph_train`` is always True or False, never ``python -m rlseq.train``'s auto: only tgraph turns it on."""
     options = variant.split("+")[1:]
     return {"tf32": "tf32" in options, "amp": "bf16" if "bf16" in options else None, "fused_adam": "fused" in options,
             "cuda_graph": "graph" in options, "cuda_graph_train": "tgraph" in options, "channels_last": "nhwc" in options,
-            "cudnn_benchmark": "autotune" in options}
+            "cudnn_benchmark": "autotune" in options, "compile": "compile" in options}
 
 
 def describe_settings(s: dict) -> str:
     return (f"TF32 {'on' if s['tf32'] else 'off'}, CNN {s['amp'] or 'fp32'}, Adam {'fused' if s['fused_adam'] else 'unfused'}, "
             f"acting {'CUDA graph' if s.get('cuda_graph') else 'eager'}, CNN layout {'NHWC' if s.get('channels_last') else 'NCHW'}"
             + (", training CUDA graph" if s.get("cuda_graph_train") else "")
-            + (", cuDNN autotuned" if s.get("cudnn_benchmark") else ""))
+            + (", cuDNN autotuned" if s.get("cudnn_benchmark") else "")
+            + (", extractor compiled" if s.get("compile") else ""))
 
 
 def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None = None) -> dict:
@@ -135,6 +138,8 @@ def _build(variant: str, args: argparse.Namespace, device: str):
     if variant.startswith("rlseq-"):
         cfg = _config(args, variant.split("-", 1)[1], "rlseq", speed)
         model = build_model(cfg, make_env(cfg, seed=args.seed), device)
+        if speed["compile"]:
+            model.policy.features_extractor.compile()  # in place: parameters and state_dict keys unchanged
     else:
         cfg = {**_config(args, "lstm", "rlseq"), "algo": "sb3-recurrent-ppo"}
         env = make_env(cfg, seed=args.seed)
