@@ -401,43 +401,15 @@ def _flush_event_files(logger: Any) -> None:
             writer.flush()
 
 
-# One stop can reach a trainer twice: a terminal's Ctrl-C (and `timeout -s INT`) signals the whole process group, and
-# a supervisor in that group (rlseq.bench's workers) passes the stop on as SIGTERM a moment later. Taken as a second
-# request, the echo cut every such stop short of its checkpoint. A different signal this soon after the first is
-# that echo; the same signal again, or any signal later, still means "stop at once".
-ECHO_WINDOW_S = 10.0
-
-
-class StopSignals:
-    """The stop signals a process has received: :meth:`urgent` says whether the one just received asks to stop at
-    once (a second request) rather than repeating the first (:data:`ECHO_WINDOW_S`)."""
-
-    def __init__(self) -> None:
-        self.first: int | None = None
-        self._at = 0.0
-
-    def urgent(self, signum: int) -> bool:
-        now = time.monotonic()
-        if self.first is None:
-            self.first, self._at = signum, now
-            return False
-        return signum == self.first or now - self._at > ECHO_WINDOW_S
-
-
 @contextlib.contextmanager
 def stop_on_signals(callback: CheckpointCallback, signums: tuple[int, ...] = (signal.SIGINT, signal.SIGTERM)):
     """While the block runs, SIGINT and SIGTERM ask ``callback`` to checkpoint and stop at the next rollout start
-    instead of killing the process mid-rollout; a second request (:class:`StopSignals`) raises
-    :class:`KeyboardInterrupt` at once, with the signal's number as its argument (the CLI exits with 128 + it)."""
-    received = StopSignals()
+    instead of killing the process mid-rollout; a second signal raises :class:`KeyboardInterrupt` at once, with the
+    signal's number as its argument (the CLI exits with 128 + it)."""
 
     def handler(signum: int, frame: Any) -> None:
-        if received.urgent(signum):
+        if callback._stop_asked:
             raise KeyboardInterrupt(signum)
-        if received.first != signum:  # the first one's echo
-            os.write(2, f"\n{signal.Signals(signum).name} after {signal.Signals(received.first).name}: the same stop, "
-                        "still checkpointing\n".encode())
-            return
         callback.request_stop(signum)
         # at once, as a rollout can take a minute on a CPU; os.write, because a print here could land inside
         # another print of the interrupted code (a reentrant write of sys.stderr raises)

@@ -363,7 +363,10 @@ def _train_once(argv: list[str], env: dict[str, str], cwd: str | None, folder: P
     with open(folder / "train.log", "a") as log:
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(argv)}\n")
         log.flush()
-        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd,
+        # its own session: a signal to the whole process group (a terminal's Ctrl-C, `timeout`, `kill -- -PGID`)
+        # would reach the trainer directly and again through this process below, and a second signal stops a
+        # trainer at once, short of its stop checkpoint; this way every stop reaches it exactly once
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True,
                                 preexec_fn=functools.partial(_trainer_preexec, os.getpid()))
     try:
         while proc.poll() is None:  # a blocking wait would defer the KeyboardInterrupt until the trainer ends

@@ -177,19 +177,14 @@ def _raise_stopped(signum: int, frame: object) -> None:
 
 @contextlib.contextmanager
 def _finishing_despite_signals():
-    """While the block runs, SIGINT and SIGTERM are held back (the first one's number is appended to the list it
-    yields) so that the final save completes; a second request (:class:`~rlseq.checkpoint.StopSignals`) aborts it
-    with :class:`Stopped`."""
-    from rlseq.checkpoint import StopSignals
-
+    """While the block runs, SIGINT and SIGTERM are held back (their numbers are appended to the list it yields)
+    so that the final save completes; a second signal aborts it with :class:`Stopped`."""
     pending: list[int] = []
-    received = StopSignals()
 
     def handler(signum: int, frame: object) -> None:
-        if received.urgent(signum):
+        if pending:
             raise Stopped(signum, where="during the final save (a second signal), which did not complete")
-        if not pending:
-            pending.append(signum)
+        pending.append(signum)
 
     previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:

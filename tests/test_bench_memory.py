@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -502,11 +503,27 @@ def test_a_stopped_idle_worker_leaves_without_a_traceback(tmp_path):
     assert "Traceback" not in proc.stderr and "KeyboardInterrupt" not in proc.stderr, proc.stderr
 
 
-@pytest.mark.parametrize("sig,seeds,jobs", [("SIGTERM", 3, 1), ("SIGINT", 2, 2)])
-def test_a_stopped_grid_says_so_in_one_line_and_starts_nothing_more(tmp_path, sig, seeds, jobs):
+def test_the_first_stop_signal_repeated_at_once_is_one_stop_and_anything_else_is_a_second(monkeypatch):
+    stops = M.StopSignals()
+    stops(signal.SIGTERM)
+    stops(signal.SIGTERM)  # `timeout`: to its child, then to the group
+    assert stops == [signal.SIGTERM]
+    stops(signal.SIGINT)
+    assert stops == [signal.SIGTERM, signal.SIGINT]
+    monkeypatch.setattr(M, "REPEAT_S", -1.0)  # later than the window: a second request
+    late = M.StopSignals()
+    late(signal.SIGINT)
+    late(signal.SIGINT)
+    assert late == [signal.SIGINT, signal.SIGINT]
+
+
+@pytest.mark.parametrize("sig,seeds,jobs,group", [("SIGTERM", 3, 1, False), ("SIGINT", 2, 2, False),
+                                                  ("SIGTERM", 2, 2, True)])
+def test_a_stopped_grid_says_so_in_one_line_and_starts_nothing_more(tmp_path, sig, seeds, jobs, group):
     """A signal to the benchmark (a timeout, Ctrl-C) stops every trainer with a stop checkpoint: one line, no
     traceback, and no run that the pool had queued behind them starts (with one job the second run is queued in
-    the worker already)."""
+    the worker already). ``group``: to the whole process group, as `timeout` and a terminal's Ctrl-C send it; the
+    trainers, each in a session of its own, get it once, from their workers."""
     import signal
     import subprocess
     import sys
@@ -518,14 +535,19 @@ def test_a_stopped_grid_says_so_in_one_line_and_starts_nothing_more(tmp_path, si
             "--episodes", "8", "--jobs", str(jobs), "--out", str(out), "--logdir", str(logdir)]
     runs = [M.BenchRun(T1, "none", s, 200_000) for s in range(seeds)]
     started = runs[:jobs]  # seed-major: the first `jobs` seeds start, the rest wait
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=group)
     try:
         deadline = time.monotonic() + 900  # a guard against a hang: a busy 2-core machine can take minutes
         while time.monotonic() < deadline and proc.poll() is None and not all(M.trained_steps(r, logdir) > 0
                                                                              for r in started):
             time.sleep(0.2)  # each has a checkpoint
+        assert proc.poll() is None, f"the grid ended before it could be stopped: {proc.communicate()}"
         assert all(M.trained_steps(r, logdir) > 0 for r in started), "no checkpoint within 900 s"
-        proc.send_signal(getattr(signal, sig))
+        if group:
+            os.killpg(proc.pid, getattr(signal, sig))
+        else:
+            proc.send_signal(getattr(signal, sig))
         stdout, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
@@ -534,6 +556,7 @@ def test_a_stopped_grid_says_so_in_one_line_and_starts_nothing_more(tmp_path, si
     assert "Traceback" not in stderr, stderr
     assert stderr.strip().splitlines()[-1].endswith("run(s) stopped; the same command resumes them"), stderr
     assert f"stopping ({sig})" in stdout + stderr
-    for r in started:  # each trainer saved where it was stopped
-        assert "stopped by SIGTERM: checkpoint step" in (r.folder(logdir) / "train.log").read_text()
+    for r in started:  # each trainer saved where it was stopped, told once
+        log = (r.folder(logdir) / "train.log").read_text()
+        assert "stopped by SIGTERM: checkpoint step" in log and log.count(": stopping after this rollout") == 1, log
     assert not any(r.folder(logdir).exists() for r in runs[jobs:]), "a queued run started after the stop"

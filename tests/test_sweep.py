@@ -430,6 +430,15 @@ def test_a_trainer_stopped_by_a_signal_is_not_retried(tmp_path, code, rc, stoppe
     assert S._train_once([sys.executable, "-c", code], dict(os.environ), None, tmp_path, poll_s=0.05) == (rc, stopped)
 
 
+def test_a_trainer_runs_in_a_session_of_its_own_so_a_group_signal_reaches_it_only_through_its_supervisor(tmp_path):
+    # a trainer told twice (by the group's signal, then by the worker passing it on) would stop at once, short of
+    # its stop checkpoint
+    code = f"import os; open({str(tmp_path / 'ids')!r}, 'w').write(f'{{os.getsid(0)}} {{os.getpgid(0)}} {{os.getpid()}}')"
+    assert S._train_once([sys.executable, "-c", code], dict(os.environ), None, tmp_path, poll_s=0.05) == (0, False)
+    sid, pgid, pid = map(int, (tmp_path / "ids").read_text().split())
+    assert sid == pgid == pid and sid != os.getsid(0) and pgid != os.getpgid(0)
+
+
 def _name(pid: int) -> str:
     try:
         return f"{pid} " + Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:80]
@@ -465,6 +474,7 @@ def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
     try:
         lock = run / LOCK_NAME
         _wait_for(lambda: lock.exists() and bool(lock.read_text().strip()), sweep)  # its pid, once it trains
+        assert sweep.poll() is None, f"the sweep ended (exit {sweep.returncode}) before its trainer started"
         assert lock.exists() and lock.read_text().strip(), f"the training process did not start within {START_LIMIT_S} s"
         pid = int(lock.read_text().split()[1])  # "pid N on HOST"
         assert pid != sweep.pid and _alive(pid)

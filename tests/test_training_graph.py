@@ -76,8 +76,9 @@ def _assert_same_training(a: MemoryPPO, b: MemoryPPO, *, rtol: float = 0.0, atol
                                        msg=lambda m: f"optimizer state {i} {key}: {m}")
     la, lb = _logged(a), _logged(b)
     assert la.keys() == lb.keys()
-    for k in la:  # NaN equals NaN here: the explained variance of a rollout without reward under value_norm's zeroed
-        # value head (procgen's first steps) is 0/0; rel = abs = 0 asks for equality
+    # NaN equals NaN here: SB3's explained variance is NaN when the returns do not vary, as on procgen's first
+    # rollout (no reward) under value_norm's zeroed value head; rel = abs = 0 still asks for equality
+    for k in la:
         assert lb[k] == pytest.approx(la[k], rel=rtol, abs=atol, nan_ok=True), k
     assert a._n_updates == b._n_updates
 
@@ -321,7 +322,7 @@ def test_a_saved_model_keeps_its_cuda_graph_train_setting(tmp_path, value):
     model.env.close()
 
 
-def test_cli_and_bench_plumb_the_option(capsys):
+def test_cli_and_bench_plumb_the_option(capsys, monkeypatch):
     import argparse
 
     import rlseq.bench.train as BT
@@ -362,8 +363,14 @@ def test_cli_and_bench_plumb_the_option(capsys):
     # cuDNN autotuning: a process-wide switch like tf32, so any variant, set before the variant builds and runs
     compiled = BT.settings(parser.parse_args(["--variants", "rlseq-none+compile"]).variants[0])
     assert compiled["compile"] and BT.describe_settings(compiled).endswith(", extractor compiled")
+    import torch._dynamo.config as dynamo_config
+
+    for key in ("recompile_limit", "fail_on_recompile_limit_hit"):  # process-wide: restored after the test
+        monkeypatch.setattr(dynamo_config, key, getattr(dynamo_config, key))
     model, _ = BT._build("rlseq-none+compile", tiny, "cpu")  # compiled in place: the checkpoint keys stay
     assert model.policy.features_extractor._compiled_call_impl is not None
+    # a variant past dynamo's limit of compiled versions would be timed eagerly under its label: an error instead
+    assert dynamo_config.fail_on_recompile_limit_hit and dynamo_config.recompile_limit >= 64
     assert not any("_orig_mod" in k for k in model.policy.state_dict())
     model.env.close()
     tuned = BT.settings(parser.parse_args(["--variants", "sb3-ppo+autotune"]).variants[0])

@@ -63,6 +63,7 @@ TASK_STEPS: dict[str, int] = {**dict.fromkeys(HORIZON_TASKS[:2], 200_000),
                               **dict.fromkeys((*HORIZON_TASKS[2:], *LONG_TASKS), 500_000)}
 SEEDS = (0, 1, 2, 3, 4)
 EPISODES = 64
+REPEAT_S = 0.5  # the same stop signal again this soon is one stop delivered twice (StopSignals)
 # the control suffix: the same memory with conv_size 1, so that the window's share of a result shows
 NO_WINDOW = "-conv1"
 # sb3-contrib's RecurrentPPO with its own LSTM: at its defaults (a separate critic LSTM) and with one shared LSTM
@@ -279,8 +280,8 @@ def _on_stop(signum: int, frame: Any) -> None:
 
 
 def _init_worker(parent: int) -> None:
-    # the main process decides when to stop (a terminal's Ctrl-C reaches the trainers directly) and sends its
-    # workers SIGTERM
+    # the main process decides when to stop and sends its workers SIGTERM, which they pass on to their trainers (each
+    # trainer in a session of its own, out of reach of a terminal's Ctrl-C)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _on_stop)
     os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -392,6 +393,24 @@ def schedule(runs: list[BenchRun]) -> list[BenchRun]:
     return sorted(runs, key=lambda r: (r.seed, -r.cost, r.name))
 
 
+class StopSignals(list):
+    """The stop signals the grid's main process has received, in order; a handler for ``signal.signal``. The first
+    one's repeat within :data:`REPEAT_S` is not counted: `timeout` signals its child and then the child's whole
+    process group, so one stop can arrive twice within microseconds, and a second signal kills the trainers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._first_at = 0.0
+
+    def __call__(self, signum: int, _frame: Any = None) -> None:
+        now = time.monotonic()
+        if len(self) == 1 and signum == self[0] and now - self._first_at < REPEAT_S:
+            return
+        if not self:
+            self._first_at = now
+        self.append(signum)
+
+
 def execute(runs: list[BenchRun], out: Path, logdir: Path, *, jobs: int, episodes: int, device: str,
             extra: list[str], poll_s: float = 2.0) -> dict[str, list[dict[str, Any]]]:
     """Run every run of ``runs`` that has no result on ``jobs`` workers, with a progress bar over the grid's env
@@ -425,8 +444,8 @@ def execute(runs: list[BenchRun], out: Path, logdir: Path, *, jobs: int, episode
     pending = set(futures)
     # SIGINT and SIGTERM set a flag that the loop reads: an exception raised from a signal handler can land inside
     # the executor's own locking and leave it broken ("release unlocked lock") instead of stopping the grid
-    stop: list[int] = []
-    old = {s: signal.signal(s, lambda signum, _frame: stop.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    stop = StopSignals()
+    old = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         while pending and not stop:
             done, pending = wait(pending, timeout=poll_s, return_when=FIRST_COMPLETED)

@@ -139,6 +139,13 @@ def _build(variant: str, args: argparse.Namespace, device: str):
         cfg = _config(args, variant.split("-", 1)[1], "rlseq", speed)
         model = build_model(cfg, make_env(cfg, seed=args.seed), device)
         if speed["compile"]:
+            import torch._dynamo.config as dynamo_config
+
+            # the compiled extractors of one call share dynamo's count of compiled versions per code object (its
+            # guards: grad mode, autocast, TF32, strides), 2-3 per variant; past the limit it would run eager code
+            # under this variant's label, so the limit is raised and reaching it is an error
+            dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
+            dynamo_config.fail_on_recompile_limit_hit = True
             model.policy.features_extractor.compile()  # in place: parameters and state_dict keys unchanged
     else:
         cfg = {**_config(args, "lstm", "rlseq"), "algo": "sb3-recurrent-ppo"}
