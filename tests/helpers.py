@@ -1,10 +1,25 @@
-"""Test helpers: the comparison of eager and CUDA-graph rollouts, a tiny `bench train` call and torch's thread
-setting recorded instead of made (the kernel inputs and their error measure live in rlseq.bench.kernels, shared
+"""Test helpers: the comparison of eager and CUDA-graph rollouts, a tiny `bench train` call, the wait for a
+subprocess's trainer and torch's thread setting recorded instead of made (the kernel inputs and their error measure live in rlseq.bench.kernels, shared
 with the benchmarks)."""
 
 from __future__ import annotations
 
+import subprocess
+import time
+from typing import Callable
+
 import torch
+
+# how long a test waits for a subprocess's trainer to start or checkpoint: only a guard against a hang (starting one
+# took over 180 s on a 2-core machine that was training two other runs), never a timing assumption
+START_LIMIT_S = 900
+
+
+def wait_for(ready: Callable[[], bool], proc: subprocess.Popen) -> None:
+    """Poll until ``ready()`` holds or ``proc`` has ended (at most :data:`START_LIMIT_S`)."""
+    deadline = time.monotonic() + START_LIMIT_S
+    while time.monotonic() < deadline and proc.poll() is None and not ready():
+        time.sleep(0.05)
 
 
 def assert_same_rollouts(eager: list, graphed: list) -> None:

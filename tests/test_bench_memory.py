@@ -16,6 +16,7 @@ import pytest
 from rlseq.bench import memory as M
 from rlseq.bench import memory_report as R
 from rlseq.bench.__main__ import main as bench_main
+from tests.helpers import START_LIMIT_S, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -524,10 +525,8 @@ def test_a_stopped_grid_says_so_in_one_line_and_starts_nothing_more(tmp_path, si
     traceback, and no run that the pool had queued behind them starts (with one job the second run is queued in
     the worker already). ``group``: to the whole process group, as `timeout` and a terminal's Ctrl-C send it; the
     trainers, each in a session of its own, get it once, from their workers."""
-    import signal
     import subprocess
     import sys
-    import time
 
     out, logdir = tmp_path / "bench", tmp_path / "runs"
     argv = [sys.executable, "-m", "rlseq.bench", "memory", "--tasks", T1, "--variants", "none", "--seeds",
@@ -538,12 +537,9 @@ def test_a_stopped_grid_says_so_in_one_line_and_starts_nothing_more(tmp_path, si
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=group)
     try:
-        deadline = time.monotonic() + 900  # a guard against a hang: a busy 2-core machine can take minutes
-        while time.monotonic() < deadline and proc.poll() is None and not all(M.trained_steps(r, logdir) > 0
-                                                                             for r in started):
-            time.sleep(0.2)  # each has a checkpoint
+        wait_for(lambda: all(M.trained_steps(r, logdir) > 0 for r in started), proc)  # each has a checkpoint
         assert proc.poll() is None, f"the grid ended before it could be stopped: {proc.communicate()}"
-        assert all(M.trained_steps(r, logdir) > 0 for r in started), "no checkpoint within 900 s"
+        assert all(M.trained_steps(r, logdir) > 0 for r in started), f"no checkpoint within {START_LIMIT_S} s"
         if group:
             os.killpg(proc.pid, getattr(signal, sig))
         else:

@@ -15,21 +15,12 @@ import yaml
 
 import rlseq.sweep as S
 from rlseq import reaper
+from tests.helpers import START_LIMIT_S, wait_for
 
 REPO = Path(__file__).resolve().parents[1]
 SCALES = REPO / "configs" / "experiments" / "caveflyer_scales.yml"
 # the TINY flags of test_train.py, as sweep-file flags
 TINY = {"n_envs": 2, "n_steps": 16, "n_minibatches": 2, "n_epochs": 1, "num_threads": 0}
-# how long a test waits for a sweep's trainer to start or checkpoint: only a guard against a hang (starting Ray and a
-# trainer took over 180 s on a 2-core machine that was training two other runs), never a timing assumption
-START_LIMIT_S = 900
-
-
-def _wait_for(ready, sweep: subprocess.Popen) -> None:
-    """Poll until ``ready()`` holds or ``sweep`` has ended (at most START_LIMIT_S)."""
-    deadline = time.monotonic() + START_LIMIT_S
-    while time.monotonic() < deadline and sweep.poll() is None and not ready():
-        time.sleep(0.05)
 
 
 @pytest.fixture(autouse=True)
@@ -330,7 +321,7 @@ def test_a_stopped_sweep_resumes_its_run_from_the_last_checkpoint(tmp_path, caps
     sweep = subprocess.Popen([sys.executable, "-m", "rlseq.sweep", *_cpu(path)], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, env=dict(os.environ))
     try:
-        _wait_for(latest.exists, sweep)
+        wait_for(latest.exists, sweep)
         assert sweep.poll() is None, f"the sweep ended before it could be stopped: {sweep.stdout.read().decode()[-3000:]}"
         assert latest.exists(), f"no checkpoint within {START_LIMIT_S} s"
         sweep.send_signal(signal.SIGTERM)  # the sweep passes it on to the training process
@@ -377,7 +368,7 @@ def test_a_sweep_started_in_the_background_stops_its_trainer_on_a_signal(tmp_pat
                              stderr=subprocess.STDOUT, env=dict(os.environ),
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # as `&` does
     try:
-        _wait_for(latest.exists, sweep)
+        wait_for(latest.exists, sweep)
         assert sweep.poll() is None, f"the sweep ended before it could be stopped: {sweep.stdout.read().decode()[-3000:]}"
         if not latest.exists():
             sweep.kill()
@@ -473,7 +464,7 @@ def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
     pid = None
     try:
         lock = run / LOCK_NAME
-        _wait_for(lambda: lock.exists() and bool(lock.read_text().strip()), sweep)  # its pid, once it trains
+        wait_for(lambda: lock.exists() and bool(lock.read_text().strip()), sweep)  # its pid, once it trains
         assert sweep.poll() is None, f"the sweep ended (exit {sweep.returncode}) before its trainer started"
         assert lock.exists() and lock.read_text().strip(), f"the training process did not start within {START_LIMIT_S} s"
         pid = int(lock.read_text().split()[1])  # "pid N on HOST"

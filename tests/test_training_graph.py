@@ -360,7 +360,7 @@ def test_cli_and_bench_plumb_the_option(capsys, monkeypatch):
         assert model.cuda_graph_train is expected and built["cuda_graph_train"] is expected, variant
         model.env.close()
     assert BT.settings(parser.parse_args(["--variants", "rlseq-lstm+fused+tgraph"]).variants[0])["cuda_graph_train"]
-    # cuDNN autotuning: a process-wide switch like tf32, so any variant, set before the variant builds and runs
+    # +compile: the extractor compiled in place (rlseq variants only)
     compiled = BT.settings(parser.parse_args(["--variants", "rlseq-none+compile"]).variants[0])
     assert compiled["compile"] and BT.describe_settings(compiled).endswith(", extractor compiled")
     import torch._dynamo.config as dynamo_config
@@ -373,6 +373,7 @@ def test_cli_and_bench_plumb_the_option(capsys, monkeypatch):
     assert dynamo_config.fail_on_recompile_limit_hit and dynamo_config.recompile_limit >= 64
     assert not any("_orig_mod" in k for k in model.policy.state_dict())
     model.env.close()
+    # cuDNN autotuning: a process-wide switch like tf32, so any variant, set before the variant builds and runs
     tuned = BT.settings(parser.parse_args(["--variants", "sb3-ppo+autotune"]).variants[0])
     assert tuned["cudnn_benchmark"] and BT.describe_settings(tuned).endswith(", cuDNN autotuned")
     assert not BT.settings("rlseq-efla+tf32")["cudnn_benchmark"]
