@@ -161,7 +161,7 @@ _POSITIVE = _whole(1)
 MEMORY_VALUES: dict[str, Callable[[Any], Any]] = {
     **dict.fromkeys(("d_model", "conv_size", "n_heads", "head_dim", "value_dim", "hidden_size", "num_layers",
                      "chunk_size"), _POSITIVE),
-    **dict.fromkeys(("query_norm", "allow_negative_eigenvalues", "bias"), _boolean),
+    **dict.fromkeys(("query_norm", "output_norm", "allow_negative_eigenvalues", "bias"), _boolean),
     "beta_bias_init": _real(-MAX_SCALE), "forget_bias": _real(-MAX_SCALE), "dropout": _real(0, 1),
     "key_norm_cap": _real(0, MAX_SCALE, above=True),
 }

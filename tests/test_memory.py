@@ -80,6 +80,9 @@ CONSISTENCY_CASES = [pytest.param(name, "torch", {}, id=f"{name}-torch") for nam
 ] + [
     pytest.param("gru", "torch", dict(recurrent_init="orthogonal"), id="gru-torch-orthogonal"),
     pytest.param("lstm", "torch", dict(recurrent_init="orthogonal", forget_bias=1.0), id="lstm-torch-orthogonal"),
+] + [  # the delta-rule cores' read norm, on both backends
+    pytest.param(name, backend, dict(output_norm=True), id=f"{name}-{backend}-output-norm")
+    for name in ("efla", "deltanet") for backend in ("torch", "triton")
 ]
 
 
@@ -435,31 +438,37 @@ def _delta_block_loop(m64, x: torch.Tensor, state: torch.Tensor, resets: torch.T
         o, matrix = naive_step(q[:, t], k[:, t], v[:, t], beta[:, t], matrix, m64.rule)
         outs.append(o)
     o = torch.stack(outs, 1)
+    if m64.out_norm is not None:  # RMS over each head's V entries, one learned scale shared by the heads
+        o = o / (o.square().mean(-1, keepdim=True) + m64.out_norm.eps).sqrt() * m64.out_norm.weight
     y = _join_definition(m64, u, m64.out_proj(o.flatten(-2)))
     return y, torch.cat([matrix.flatten(1), final_window.flatten(1)], 1)
 
 
-DELTA_SHAPES = [  # (rule, n_heads, head_dim, value_dim, conv_size, T, join): each join on some shape
-    ("efla", 2, 8, 12, 4, 37, "residual"),
-    ("deltanet", 2, 8, 12, 4, 37, "gated"),
-    ("efla", 1, 16, 4, 3, 21, "prenorm"),
-    ("deltanet", 3, 4, 8, 1, 18, "read"),
-    ("efla", 2, 8, 8, 4, 19, "gated"),
+DELTA_SHAPES = [  # (rule, n_heads, head_dim, value_dim, conv_size, T, join, output_norm): each join on some shape
+    ("efla", 2, 8, 12, 4, 37, "residual", False),
+    ("deltanet", 2, 8, 12, 4, 37, "gated", False),
+    ("efla", 1, 16, 4, 3, 21, "prenorm", False),
+    ("deltanet", 3, 4, 8, 1, 18, "read", False),
+    ("efla", 2, 8, 8, 4, 19, "gated", False),
+    ("efla", 3, 8, 12, 4, 37, "residual", True),
+    ("deltanet", 2, 4, 8, 2, 21, "residual", True),
 ]
 
 
-@pytest.mark.parametrize(("rule", "H", "K", "V", "W", "T", "join"), DELTA_SHAPES)
+@pytest.mark.parametrize(("rule", "H", "K", "V", "W", "T", "join", "output_norm"), DELTA_SHAPES)
 @pytest.mark.parametrize("key_scale", [1e-4, 1.0, 1e4])
-def test_delta_block_matches_float64_loop(rule, H, K, V, W, T, join, key_scale):
+def test_delta_block_matches_float64_loop(rule, H, K, V, W, T, join, output_norm, key_scale):
     """The training path (chunked torch kernel, chunk 16 so T crosses chunks) against the float64 loop, with
     resets at random positions (t = 0 and back to back included), K != V, key norms from 1e-4 to 1e4 (the key
-    projection scaled), every join, outputs, final state and gradients."""
+    projection scaled), every join, the optional read norm, outputs, final state and gradients."""
     torch.manual_seed(3)
     m = make_memory(rule, F_IN, d_model=16, n_heads=H, head_dim=K, value_dim=V, conv_size=W, backend="torch",
-                    chunk_size=16, join=join)
+                    chunk_size=16, join=join, output_norm=output_norm)
     with torch.no_grad():  # scale the key rows of the q/k/v projection: key norms follow
         m.qkv.weight[H * K : 2 * H * K] *= key_scale
         m.qkv.bias[H * K : 2 * H * K] *= key_scale
+        if output_norm:  # a learned scale away from its start of ones, so that the oracle checks where it enters
+            m.out_norm.weight.uniform_(0.5, 1.5)
     B = 3
     x, resets = _sequence(B, T, seed=7)
     state = _random_state(m, B)

@@ -75,6 +75,7 @@ RECURRENT_INITS = ("uniform", "orthogonal")
 JOINS = ("residual", "gated", "prenorm", "read")
 DEFAULT_D_MODEL = 128
 DEFAULT_CONV_SIZE = 4
+OUTPUT_NORM_EPS = 1e-5  # the delta-rule cores' optional read norm (flash-linear-attention's norm_eps)
 
 __all__ = [
     "ActorCriticMemory",
@@ -309,6 +310,7 @@ class _DeltaRuleMemory(Memory):
         value_dim: int | None = None,
         query_norm: bool = True,
         beta_bias_init: float | None = None,
+        output_norm: bool = False,
         backend: str | None = None,
         chunk_size: int | None = None,
     ) -> None:
@@ -328,6 +330,8 @@ class _DeltaRuleMemory(Memory):
         self._split = (H * K, H * K, H * V)
         self.qkv = nn.Linear(self.d_model, sum(self._split))
         self.beta_proj = nn.Linear(self.d_model, H)
+        # per head, weights shared across heads, as flash-linear-attention's delta-rule layers normalise their read
+        self.out_norm = nn.RMSNorm(V, eps=OUTPUT_NORM_EPS) if output_norm else None
         self.out_proj = nn.Linear(H * V, self.d_model)
         with torch.no_grad():
             self.beta_proj.bias.fill_(self._default_beta_bias() if beta_bias_init is None else float(beta_bias_init))
@@ -386,13 +390,17 @@ class _DeltaRuleMemory(Memory):
         q, k, v, beta = self._heads(u, h)
         o, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=core_state, resets=resets,
                               backend=self.backend, chunk_size=self.chunk_size, check_beta=False)
-        return self.out_proj(o.to(u.dtype).flatten(-2)), final
+        return self._read(o.to(u.dtype)), final
 
     def _core_step(self, u, core_state, resets, *, h):
         q, k, v, beta = self._heads(u, h)
         o = step_rule(q, k, v, beta, core_state, rule=self.rule, resets=resets, backend=self.backend,
                       check_beta=False)
-        return self.out_proj(o.to(u.dtype).flatten(-2))
+        return self._read(o.to(u.dtype))
+
+    def _read(self, o: torch.Tensor) -> torch.Tensor:
+        """``o [..., H, V]`` → ``W_o [norm(o_1) … norm(o_H)]`` ``[..., d]`` (the norm only with ``output_norm``)."""
+        return self.out_proj((o if self.out_norm is None else self.out_norm(o)).flatten(-2))
 
     @torch.no_grad()
     def diagnostics(self, x: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -474,6 +482,9 @@ class EFLAMemory(_DeltaRuleMemory):
         beta_bias_init: initial bias of the β logit (None: the matched start above).
         backend: kernel backend passed to ``chunk_rule``/``step_rule`` (None: Triton on CUDA, torch on the CPU).
         chunk_size: chunk length of the torch backend's ``chunk_rule`` (None: the kernel's default).
+        output_norm: RMS-normalise each head's read ``o_h`` over its V entries (a learned scale shared by the
+            heads, flash-linear-attention's ``o_norm``) before ``W_o``: the read keeps unit scale however large
+            the state grows (an option under test on the memory benchmark; ``docs/memory.md``).
         key_norm_cap: None (default): raw keys. A number c > 0: keys longer than c are scaled to length c, so the
             gate stays at most ``1 - e^{-c²}`` and β keeps control of the write (an option under test on the
             memory benchmark; ``docs/memory.md``, EFLA's seeds on RepeatFirstMedium).
