@@ -438,8 +438,8 @@ def _delta_block_loop(m64, x: torch.Tensor, state: torch.Tensor, resets: torch.T
         o, matrix = naive_step(q[:, t], k[:, t], v[:, t], beta[:, t], matrix, m64.rule)
         outs.append(o)
     o = torch.stack(outs, 1)
-    if m64.out_norm is not None:  # RMS over each head's V entries, one learned scale shared by the heads
-        o = o / (o.square().mean(-1, keepdim=True) + m64.out_norm.eps).sqrt() * m64.out_norm.weight
+    if m64.out_norm is not None:  # RMS over each head's V entries (eps 1e-5), one learned scale shared by the heads
+        o = o / (o.square().mean(-1, keepdim=True) + 1e-5).sqrt() * m64.out_norm.weight
     y = _join_definition(m64, u, m64.out_proj(o.flatten(-2)))
     return y, torch.cat([matrix.flatten(1), final_window.flatten(1)], 1)
 
@@ -813,6 +813,23 @@ def test_efla_without_a_cap_keeps_raw_keys_and_a_bad_cap_is_refused():
         "memory_kwargs efla key_norm_cap 0 must be > 0 and <= 1e+12 (f.yml)"]
     assert "unknown memory_kwargs key 'key_norm_cap' of deltanet" in memory_kwargs_problems(
         {"deltanet": {"key_norm_cap": 2}}, "f.yml")[0]
+
+
+def test_the_read_norm_is_built_only_when_asked_and_a_non_boolean_is_refused():
+    from rlseq.config import memory_kwargs_problems
+
+    for name in ("efla", "deltanet"):
+        assert _memory(name).out_norm is None
+        m = _memory(name, output_norm=True)
+        assert isinstance(m.out_norm, torch.nn.RMSNorm) and m.out_norm.normalized_shape == (m.value_dim,)
+        assert "out_norm.weight" in dict(m.named_parameters())
+        with pytest.raises(TypeError, match="output_norm must be True or False, got 'false'"):
+            _memory(name, output_norm="false")
+        assert memory_kwargs_problems({name: {"output_norm": True}}, "f.yml") == []
+        assert memory_kwargs_problems({name: {"output_norm": "maybe"}}, "f.yml") == [
+            f"memory_kwargs {name} output_norm 'maybe' must be true or false (f.yml)"]
+    assert "unknown memory_kwargs key 'output_norm' of gru" in memory_kwargs_problems(
+        {"gru": {"output_norm": True}}, "f.yml")[0]
 
 
 def test_every_ablation_config_is_valid():

@@ -330,6 +330,8 @@ class _DeltaRuleMemory(Memory):
         self._split = (H * K, H * K, H * V)
         self.qkv = nn.Linear(self.d_model, sum(self._split))
         self.beta_proj = nn.Linear(self.d_model, H)
+        if not isinstance(output_norm, bool):  # a config's string "false" would otherwise turn it on
+            raise TypeError(f"output_norm must be True or False, got {output_norm!r}")
         # per head, weights shared across heads, as flash-linear-attention's delta-rule layers normalise their read
         self.out_norm = nn.RMSNorm(V, eps=OUTPUT_NORM_EPS) if output_norm else None
         self.out_proj = nn.Linear(H * V, self.d_model)
@@ -448,7 +450,7 @@ class EFLAMemory(_DeltaRuleMemory):
         β       = sigmoid(w_β · h + b_β)         (per head, ∈ (0, 1); h before the convolution, as fla's layers)
         S_t     = EFLA(S_{t-1}; k, v, β)          (exact rank-1 ODE step, rlseq/kernels/rules.py)
         o       = S_tᵀ q̂                         (q̂ = q/‖q‖ when query_norm, else q)
-        y       = LayerNorm(u + W_o [o_1 … o_H])
+        y       = LayerNorm(u + W_o [o_1 … o_H])  (o_h → RMSNorm(o_h) first when output_norm)
 
     Choices and why:
 
@@ -859,8 +861,9 @@ def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:
     """Build a memory by name (one of :data:`MEMORIES`) over ``in_features`` inputs.
 
     ``memory_kwargs`` go to the class: every memory takes ``d_model``, ``conv_size`` and ``join``; :class:`EFLAMemory` /
-    :class:`DeltaNetMemory` also ``n_heads``, ``head_dim``, ``value_dim``, ``query_norm``,
-    ``beta_bias_init``, ``backend``, ``chunk_size``; :class:`GRUMemory` / :class:`LSTMMemory` ``hidden_size``,
+    :class:`DeltaNetMemory` also ``n_heads``, ``head_dim``, ``value_dim``, ``query_norm``, ``output_norm``,
+    ``beta_bias_init``, ``backend``, ``chunk_size``, :class:`EFLAMemory` ``key_norm_cap`` and :class:`DeltaNetMemory`
+    ``allow_negative_eigenvalues``; :class:`GRUMemory` / :class:`LSTMMemory` ``hidden_size``,
     ``num_layers``, ``recurrent_init``, and :class:`LSTMMemory` ``forget_bias``. An unknown keyword raises ``TypeError`` naming the class.
     ``residual`` (a bool, ``join``'s former name) is still read, so that models saved with it load: ``False`` is
     ``join="read"``, ``True`` ``join="residual"``.
