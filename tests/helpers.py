@@ -1,6 +1,6 @@
 """Test helpers: the comparison of eager and CUDA-graph rollouts, a tiny `bench train` call, the wait for a
-subprocess's trainer and torch's thread setting recorded instead of made (the kernel inputs and their error measure live in rlseq.bench.kernels, shared
-with the benchmarks)."""
+subprocess's trainer and torch's thread setting recorded instead of made (the kernel inputs and their error
+measure live in rlseq.bench.kernels, shared with the benchmarks)."""
 
 from __future__ import annotations
 

@@ -317,6 +317,8 @@ class _DeltaRuleMemory(Memory):
         super().__init__(in_features, d_model=d_model, conv_size=conv_size, join=join)
         if n_heads < 1:
             raise ValueError(f"n_heads must be >= 1, got {n_heads}")
+        if not isinstance(output_norm, bool):  # a config's string "false" would otherwise turn it on
+            raise TypeError(f"output_norm must be True or False, got {output_norm!r}")
         self.n_heads = int(n_heads)
         self.head_dim = (int(head_dim) if head_dim is not None
                          else max(1, round(self.head_width * self.d_model / self.n_heads)))
@@ -330,8 +332,6 @@ class _DeltaRuleMemory(Memory):
         self._split = (H * K, H * K, H * V)
         self.qkv = nn.Linear(self.d_model, sum(self._split))
         self.beta_proj = nn.Linear(self.d_model, H)
-        if not isinstance(output_norm, bool):  # a config's string "false" would otherwise turn it on
-            raise TypeError(f"output_norm must be True or False, got {output_norm!r}")
         # per head, weights shared across heads, as flash-linear-attention's delta-rule layers normalise their read
         self.out_norm = nn.RMSNorm(V, eps=OUTPUT_NORM_EPS) if output_norm else None
         self.out_proj = nn.Linear(H * V, self.d_model)
