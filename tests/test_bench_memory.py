@@ -451,6 +451,29 @@ def test_a_tiny_slice_end_to_end(tmp_path, capsys):
     assert len(R.read_manifest(out)["invocations"]) == 1
 
 
+def test_a_host_without_the_evaluation_modules_is_refused_before_anything_trains(tmp_path, monkeypatch):
+    out, logdir = tmp_path / "bench", tmp_path / "runs"
+    monkeypatch.setattr(M, "EVALUATION_MODULES", ("tbparse", "rlseq_no_such_module"))
+    assert M.missing_modules(M.EVALUATION_MODULES) == ["rlseq_no_such_module"]
+    with pytest.raises(SystemExit, match="needs rlseq_no_such_module .*nothing was trained"):
+        bench_main(["memory", "--tasks", T1, "--variants", "none", "--seeds", "0", "--steps", "256", "--out", str(out),
+                    "--logdir", str(logdir)])
+    assert not logdir.exists() and not (out / "results").exists()
+
+
+def test_without_the_report_modules_the_runs_are_evaluated_and_the_report_is_left_for_later(tmp_path, monkeypatch,
+                                                                                               capsys):
+    out, logdir = tmp_path / "bench", tmp_path / "runs"
+    monkeypatch.setattr(M, "REPORT_MODULES", ("matplotlib", "rlseq_no_such_module"))
+    bench_main(["memory", "--tasks", T1, "--variants", "none", "--seeds", "0", "--steps", "256", "--n-envs", "4",
+                "--n-steps", "32", "--n-minibatches", "2", "--episodes", "4", "--jobs", "1", "--out", str(out),
+                "--logdir", str(logdir)])
+    said = capsys.readouterr().out
+    assert "the report needs rlseq_no_such_module" in said and f"--report-only --out {out}" in said
+    assert json.loads(R.run_paths(out, T1, "none", 0)["result"].read_text())["episodes"] == 4
+    assert not (tmp_path / "bench.md").exists() and not (out / R.CURVES_PNG).exists()
+
+
 def test_the_schedule_is_seed_major_with_the_slowest_runs_of_a_seed_first():
     grid = M.build_grid(["rlseq/RepeatPreviousLag1-v0", "rlseq/RepeatPreviousLag8-v0"],
                         ["none", "efla", "lstm", "sb3-lstm", "none-conv1"], [1, 0], dict(M.TASK_STEPS))

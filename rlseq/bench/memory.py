@@ -90,6 +90,11 @@ def variants() -> list[str]:
     return [*MEMORIES, *(m + NO_WINDOW for m in MEMORIES), *ANCHORS, *DROP_INS]
 
 
+# imported only at a run's end (its evaluation reads the learning curve from the TensorBoard events) and by the
+# report; checked before anything trains, so that a grid on a host without them does not train for hours and then
+# fail every run at its evaluation
+EVALUATION_MODULES = ("tbparse",)
+REPORT_MODULES = ("rliable", "matplotlib")
 DEFAULT_VARIANTS = ("efla", "deltanet", "gru", "lstm", "none", "efla-conv1", "none-conv1", "sb3-lstm",
                     "sb3-lstm-shared", "sb3-efla")
 
@@ -244,6 +249,13 @@ def chance_level(task: str, episodes: int, seed: int = 0) -> dict[str, Any]:
     r = np.asarray(returns)
     return {"task": task, "policy": "uniformly random actions", "episodes": episodes, "seed": seed,
             "mean": float(r.mean()), "std": float(r.std(ddof=1)) if len(r) > 1 else float("nan")}
+
+
+def missing_modules(names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` that cannot be imported here (found without importing them)."""
+    import importlib.util
+
+    return [name for name in names if importlib.util.find_spec(name) is None]
 
 
 def check_tasks(tasks: list[str]) -> None:
@@ -634,6 +646,14 @@ def main(args: argparse.Namespace) -> None:
             argv = r.train_argv(logdir, device=args.device, extra=g["extra"])
             print(f"{state:>16}  python -m rlseq.train {shlex.join(argv)}")
         return
+    missing = missing_modules(EVALUATION_MODULES)
+    if todo and missing:
+        raise SystemExit(f"error: each run's evaluation needs {', '.join(missing)} (rlseq's dependencies), which "
+                         f"cannot be imported here: pip install {' '.join(missing)}; nothing was trained")
+    no_report = missing_modules(REPORT_MODULES)
+    if no_report:
+        print(f"the report needs {', '.join(no_report)}, which cannot be imported here: the runs train and are "
+              f"evaluated, and the report is left to --report-only --out {out} on a machine that has them", flush=True)
     commit = versions()["rlseq"]
     stale = commit_conflicts(runs, out, commit)
     if stale:
@@ -661,11 +681,13 @@ def main(args: argparse.Namespace) -> None:
                               extra=g["extra"])
         finally:
             _record_invocation(out, {"wall_s": time.time() - t0}, index)
-    try:
-        report = write_report(out)
-    except FileNotFoundError:
-        print("no run finished yet: no report", flush=True)
-    else:
+    report = None
+    if not no_report:
+        try:
+            report = write_report(out)
+        except FileNotFoundError:
+            print("no run finished yet: no report", flush=True)
+    if report is not None:
         print(f"\nFinal evaluation return (IQM over seeds [95% CI]; POPGym returns lie in [-1, 1]):\n\n"
               f"{returns_table(out)}\n\nreport: {report}\ncurves: {out / CURVES_PNG}\n"
               f"TensorBoard: tensorboard --logdir {logdir}", flush=True)

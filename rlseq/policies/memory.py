@@ -565,7 +565,8 @@ class _RNNMemory(Memory):
     block's) are arguments; the rest go to ``nn.GRU`` / ``nn.LSTM``.
     """
 
-    # auto trains them eagerly: the capturable scan replaces one cuDNN call by T small steps per layer
+    # auto trains them eagerly: the capturable scan replaces one cuDNN call by T small steps per layer, and
+    # captured it ran 1-3% slower than the packed eager call at --fast settings (docs/benchmarks.md)
     train_graph_auto = False
     # nn.GRU / nn.LSTM keywords set here, or that the block cannot carry (proj_size changes the shape of h, which
     # the state and the output projection assume to be hidden_size): the others may be passed on
