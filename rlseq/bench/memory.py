@@ -252,7 +252,7 @@ def chance_level(task: str, episodes: int, seed: int = 0) -> dict[str, Any]:
 
 
 def missing_modules(names: tuple[str, ...]) -> list[str]:
-    """Those of ``names`` that cannot be imported here (found without importing them)."""
+    """Those of ``names`` that are not installed here (looked up without importing them)."""
     import importlib.util
 
     return [name for name in names if importlib.util.find_spec(name) is None]
@@ -649,11 +649,11 @@ def main(args: argparse.Namespace) -> None:
     missing = missing_modules(EVALUATION_MODULES)
     if todo and missing:
         raise SystemExit(f"error: each run's evaluation needs {', '.join(missing)} (rlseq's dependencies), which "
-                         f"cannot be imported here: pip install {' '.join(missing)}; nothing was trained")
+                         f"is not installed here: pip install {' '.join(missing)}; nothing was trained")
     no_report = missing_modules(REPORT_MODULES)
     if no_report:
-        print(f"the report needs {', '.join(no_report)}, which cannot be imported here: the runs train and are "
-              f"evaluated, and the report is left to --report-only --out {out} on a machine that has them", flush=True)
+        print(f"the report needs {', '.join(no_report)}, not installed here: runs still train and are evaluated, "
+              f"and the report is left to --report-only --out {out} on a machine that has them", flush=True)
     commit = versions()["rlseq"]
     stale = commit_conflicts(runs, out, commit)
     if stale:
@@ -693,7 +693,8 @@ def main(args: argparse.Namespace) -> None:
               f"TensorBoard: tensorboard --logdir {logdir}", flush=True)
     if answers["failed"]:
         names = "\n  ".join(a["name"] for a in answers["failed"])
-        raise SystemExit(f"{len(answers['failed'])} run(s) failed (logs named above; the report lists them):"
+        raise SystemExit(f"{len(answers['failed'])} run(s) failed (logs named above"
+                         f"{'' if no_report else '; the report lists them'}):"
                          f"\n  {names}")
     if answers["stopped"]:
         raise SystemExit(f"{len(answers['stopped'])} run(s) stopped; the same command resumes them")
