@@ -19,6 +19,7 @@ import importlib  # noqa: E402
 import pathlib  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import warnings  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -80,8 +81,8 @@ CONSISTENCY_CASES = [pytest.param(name, "torch", {}, id=f"{name}-torch") for nam
 ] + [
     pytest.param("gru", "torch", dict(recurrent_init="orthogonal"), id="gru-torch-orthogonal"),
     pytest.param("lstm", "torch", dict(recurrent_init="orthogonal", forget_bias=1.0), id="lstm-torch-orthogonal"),
-] + [  # the delta-rule cores' read norm, on both backends
-    pytest.param(name, backend, dict(output_norm=True), id=f"{name}-{backend}-output-norm")
+] + [  # the delta-rule cores without their read norm, on both backends
+    pytest.param(name, backend, dict(output_norm=False), id=f"{name}-{backend}-no-output-norm")
     for name in ("efla", "deltanet") for backend in ("torch", "triton")
 ]
 
@@ -815,14 +816,15 @@ def test_efla_without_a_cap_keeps_raw_keys_and_a_bad_cap_is_refused():
         {"deltanet": {"key_norm_cap": 2}}, "f.yml")[0]
 
 
-def test_the_read_norm_is_built_only_when_asked_and_a_non_boolean_is_refused():
+def test_the_read_norm_is_the_default_can_be_turned_off_and_a_non_boolean_is_refused():
     from rlseq.config import memory_kwargs_problems
 
     for name in ("efla", "deltanet"):
-        assert _memory(name).out_norm is None
-        m = _memory(name, output_norm=True)
+        m = _memory(name)
         assert isinstance(m.out_norm, torch.nn.RMSNorm) and m.out_norm.normalized_shape == (m.value_dim,)
         assert "out_norm.weight" in dict(m.named_parameters())
+        off = _memory(name, output_norm=False)
+        assert off.out_norm is None and "out_norm.weight" not in dict(off.named_parameters())
         with pytest.raises(TypeError, match="output_norm must be True or False, got 'false'"):
             _memory(name, output_norm="false")
         assert memory_kwargs_problems({name: {"output_norm": True}}, "f.yml") == []
@@ -830,6 +832,72 @@ def test_the_read_norm_is_built_only_when_asked_and_a_non_boolean_is_refused():
             f"memory_kwargs {name} output_norm 'maybe' must be true or false (f.yml)"]
     assert "unknown memory_kwargs key 'output_norm' of gru" in memory_kwargs_problems(
         {"gru": {"output_norm": True}}, "f.yml")[0]
+
+
+def _without_read_norm_by_default(monkeypatch):
+    """Build delta-rule memories as rlseq did before the read norm was their default."""
+    from rlseq.policies.memory import _DeltaRuleMemory
+
+    monkeypatch.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "output_norm", False)
+
+
+@pytest.mark.parametrize(("memory", "critic_memory"), [("efla", False), ("deltanet", True)])
+def test_a_model_saved_before_the_read_norm_default_loads_as_it_was_trained(memory, critic_memory, tmp_path,
+                                                                            monkeypatch):
+    """A MemoryPPO saved when ``output_norm`` defaulted to False (no keyword saved, no norm weight) loads without
+    the norm, with a warning, with its outputs and its optimizer state as saved; it trains on, and saves and
+    loads again as it is."""
+    import gymnasium as gym
+
+    from rlseq.algos import MemoryPPO
+
+    env = gym.make("CartPole-v1")
+    kwargs = dict(memory=memory, critic_memory=critic_memory, memory_kwargs=dict(n_heads=2, head_dim=8, d_model=16))
+    with monkeypatch.context() as m:
+        _without_read_norm_by_default(m)
+        old = MemoryPPO("MlpPolicy", env, n_steps=32, n_epochs=1, seed=0, policy_kwargs=kwargs)
+        old.learn(64)
+        assert "output_norm" not in old.policy_kwargs["memory_kwargs"]
+        old.save(tmp_path / "old.zip")
+    assert make_memory(memory, 4).out_norm is not None  # the default is the norm again
+
+    with pytest.warns(UserWarning, match="no read norm .* loaded without it, as it was trained"):
+        loaded = MemoryPPO.load(tmp_path / "old.zip", env=env)
+    norms = [sub.out_norm for sub in loaded.policy.modules() if hasattr(sub, "out_norm")]
+    assert len(norms) == (2 if critic_memory else 1) and all(n is None for n in norms)
+    assert loaded.policy.memory_kwargs["output_norm"] is False
+    obs = torch.randn(5, 4)
+    state, starts = old.policy.initial_state(5), torch.ones(5, dtype=torch.bool)
+    torch.testing.assert_close(loaded.policy.predict_values(obs, state, starts),
+                               old.policy.predict_values(obs, state, starts), rtol=0, atol=0)
+    saved_adam, loaded_adam = old.policy.optimizer.state_dict(), loaded.policy.optimizer.state_dict()
+    assert len(loaded_adam["state"]) == len(saved_adam["state"]) > 0
+    for i, st in saved_adam["state"].items():
+        torch.testing.assert_close(loaded_adam["state"][i]["exp_avg"], st["exp_avg"], rtol=0, atol=0)
+    assert {id(p) for g in loaded.policy.optimizer.param_groups for p in g["params"]} == {
+        id(p) for p in loaded.policy.parameters()}
+    loaded.learn(32)
+
+    loaded.save(tmp_path / "again.zip")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = MemoryPPO.load(tmp_path / "again.zip", env=env)
+    assert again.policy.memory_kwargs["output_norm"] is False
+    assert all(sub.out_norm is None for sub in again.policy.modules() if hasattr(sub, "out_norm"))
+
+
+def test_a_missing_key_other_than_the_read_norm_is_still_refused():
+    import gymnasium as gym
+
+    from rlseq.algos import MemoryPPO
+
+    for name in ("efla", "deltanet"):
+        policy = MemoryPPO("MlpPolicy", gym.make("CartPole-v1"), n_steps=32, seed=0,
+                           policy_kwargs=dict(memory=name, memory_kwargs=dict(n_heads=2, head_dim=8, d_model=16))).policy
+        state = {k: v for k, v in policy.state_dict().items() if k != "memory.out_proj.weight"}
+        with pytest.raises(RuntimeError, match="memory.out_proj.weight"):
+            policy.load_state_dict(state)
+        assert policy.memory.out_norm is not None and "output_norm" not in policy.memory_kwargs
 
 
 def test_every_ablation_config_is_valid():

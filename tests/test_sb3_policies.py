@@ -248,6 +248,31 @@ def test_learn_save_load_predict_round_trip(policy, tmp_path: pathlib.Path):
     assert -1.0 <= mean <= 1.0
 
 
+def test_a_drop_in_model_saved_before_the_read_norm_default_loads_as_it_was_trained(tmp_path, monkeypatch):
+    """RecurrentPPO(EflaMlpPolicy) saved when ``output_norm`` defaulted to False loads without the norm (actor
+    and critic memory), with a warning, and acts as it did."""
+    from rlseq.policies.memory import _DeltaRuleMemory
+
+    env = _cue_env(2)
+    with monkeypatch.context() as m:
+        m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "output_norm", False)
+        model = RecurrentPPO(EflaMlpPolicy, env, n_steps=16, batch_size=16, n_epochs=1, seed=1,
+                             policy_kwargs=dict(memory_kwargs=dict(n_heads=2, head_dim=8)))
+        model.learn(32)
+        _perturb(model.policy, seed=3, scale=0.5)
+        model.save(tmp_path / "model.zip")
+    with pytest.warns(UserWarning, match="no read norm for lstm_actor.memory, lstm_critic.memory"):
+        loaded = RecurrentPPO.load(tmp_path / "model.zip", env=env)
+    assert loaded.policy.memory_actor.out_norm is None and loaded.policy.lstm_critic.memory.out_norm is None
+    obs = _cue_env(2, seed=7).reset()
+    starts = np.ones(2, dtype=bool)
+    a0, s0 = model.predict(obs, episode_start=starts, deterministic=True)
+    a1, s1 = loaded.predict(obs, episode_start=starts, deterministic=True)
+    np.testing.assert_array_equal(a0, a1)
+    np.testing.assert_array_equal(s0[0], s1[0])
+    loaded.learn(16)
+
+
 def test_lstm_policy_kwargs_still_work():
     """policy_kwargs written for MlpLstmPolicy keep working after swapping the policy class."""
     env = _cue_env(2)

@@ -175,6 +175,15 @@ class MemoryPPO(PPO):
                 raise ValueError("clip_range_vf must be positive, or None to disable value clipping")
             self.clip_range_vf = FloatSchedule(self.clip_range_vf)
 
+    def set_parameters(self, load_path_or_dict, exact_match: bool = True, device: torch.device | str = "auto") -> None:
+        """SB3's; a model saved before the read norm became the delta-rule default has just been loaded without it
+        (:func:`~rlseq.policies.actor_critic.match_saved_read_norms`), and its ``policy_kwargs`` now say so, so
+        that it saves and loads again as it is."""
+        super().set_parameters(load_path_or_dict, exact_match=exact_match, device=device)
+        if self.policy.memory_kwargs.get("output_norm") is False:
+            memory_kwargs = {**(self.policy_kwargs.get("memory_kwargs") or {}), "output_norm": False}
+            self.policy_kwargs = {**self.policy_kwargs, "memory_kwargs": memory_kwargs}
+
     def _excluded_save_params(self) -> list[str]:
         return super()._excluded_save_params() + ["_memory_state", "phases", "_acting", "_train_step",
                                                   "_train_graph_warned"]

@@ -6,6 +6,8 @@ between `efla`, `deltanet`, `gru`, `lstm` and `none`, so comparisons isolate the
 
 from __future__ import annotations
 
+import warnings
+from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
@@ -27,7 +29,7 @@ from stable_baselines3.common.type_aliases import PyTorchObs, Schedule
 from torch import nn
 from torch.distributions import Bernoulli, Categorical, Normal
 
-from rlseq.policies.memory import ActorCriticMemory, Memory, make_memory
+from rlseq.policies.memory import ActorCriticMemory, Memory, drop_read_norms_absent_from, make_memory
 
 
 def default_features_extractor(observation_space: spaces.Space) -> type[BaseFeaturesExtractor]:
@@ -191,6 +193,23 @@ class ValueNormalizer(nn.Module):
         self.std.copy_(new_std)
 
 
+def match_saved_read_norms(policy: BasePolicy, state_dict: Mapping[str, Any]) -> None:
+    """Before ``policy.load_state_dict(state_dict)``: a delta-rule memory saved before the read norm became its
+    default loses the norm it was rebuilt with (:func:`~rlseq.policies.memory.drop_read_norms_absent_from`), the
+    policy's ``memory_kwargs`` then say ``output_norm=False``, so that it saves as it is, and its optimizer is made
+    again over the remaining parameters (same class, arguments and learning rate), so that the saved optimizer
+    state, loaded next, matches it. Says so with a warning."""
+    dropped = drop_read_norms_absent_from(policy, state_dict)
+    if not dropped:
+        return
+    policy.memory_kwargs["output_norm"] = False
+    lr = policy.optimizer.param_groups[0]["lr"]
+    policy.optimizer = policy.optimizer_class(policy.parameters(), lr=lr, **policy.optimizer_kwargs)
+    warnings.warn(f"{type(policy).__name__}: the saved state has no read norm for {', '.join(dropped)} (saved "
+                  "before output_norm=True became the delta-rule default): loaded without it, as it was trained "
+                  "(memory_kwargs output_norm=False)", stacklevel=3)
+
+
 class MemoryPPOPolicy(BasePolicy):
     """Actor-critic with a sequence memory between the features extractor and the heads.
 
@@ -327,6 +346,12 @@ class MemoryPPOPolicy(BasePolicy):
             lr_schedule=self._dummy_schedule,
         )
         return data
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, after :func:`match_saved_read_norms` (models saved before the read
+        norm became the delta-rule default load as they were trained)."""
+        match_saved_read_norms(self, state_dict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # --- state ----------------------------------------------------------------------------------------
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 import abc
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -75,7 +76,7 @@ RECURRENT_INITS = ("uniform", "orthogonal")
 JOINS = ("residual", "gated", "prenorm", "read")
 DEFAULT_D_MODEL = 128
 DEFAULT_CONV_SIZE = 4
-OUTPUT_NORM_EPS = 1e-5  # the delta-rule cores' optional read norm (flash-linear-attention's norm_eps)
+OUTPUT_NORM_EPS = 1e-5  # the delta-rule cores' read norm (flash-linear-attention's norm_eps)
 
 __all__ = [
     "ActorCriticMemory",
@@ -90,6 +91,7 @@ __all__ = [
     "Memory",
     "MemoryStateError",
     "NoMemory",
+    "drop_read_norms_absent_from",
     "make_memory",
     "memory_class",
 ]
@@ -310,7 +312,7 @@ class _DeltaRuleMemory(Memory):
         value_dim: int | None = None,
         query_norm: bool = True,
         beta_bias_init: float | None = None,
-        output_norm: bool = False,
+        output_norm: bool = True,
         backend: str | None = None,
         chunk_size: int | None = None,
     ) -> None:
@@ -401,7 +403,7 @@ class _DeltaRuleMemory(Memory):
         return self._read(o.to(u.dtype))
 
     def _read(self, o: torch.Tensor) -> torch.Tensor:
-        """``o [..., H, V]`` → ``W_o [norm(o_1) … norm(o_H)]`` ``[..., d]`` (the norm only with ``output_norm``)."""
+        """``o [..., H, V]`` → ``W_o [norm(o_1) … norm(o_H)]`` ``[..., d]`` (without ``output_norm``: ``W_o o``)."""
         return self.out_proj((o if self.out_norm is None else self.out_norm(o)).flatten(-2))
 
     @torch.no_grad()
@@ -485,8 +487,9 @@ class EFLAMemory(_DeltaRuleMemory):
         backend: kernel backend passed to ``chunk_rule``/``step_rule`` (None: Triton on CUDA, torch on the CPU).
         chunk_size: chunk length of the torch backend's ``chunk_rule`` (None: the kernel's default).
         output_norm: RMS-normalise each head's read ``o_h`` over its V entries (a learned scale shared by the
-            heads, flash-linear-attention's ``o_norm``) before ``W_o``: the read keeps unit scale however large
-            the state grows (an option under test on the memory benchmark; ``docs/memory.md``).
+            heads, flash-linear-attention's ``o_norm``) before ``W_o`` (default True): the read keeps unit scale
+            however large the state grows, and EFLA's seeds stay together (``docs/memory.md``). A model saved
+            before this default carries no norm and loads without it (:func:`drop_read_norms_absent_from`).
         key_norm_cap: None (default): raw keys. A number c > 0: keys longer than c are scaled to length c, so the
             gate stays at most ``1 - e^{-c²}`` and β keeps control of the write (an option under test on the
             memory benchmark; ``docs/memory.md``, EFLA's seeds on RepeatFirstMedium).
@@ -884,3 +887,20 @@ def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:
         if "unexpected keyword argument" not in str(e):
             raise
         raise TypeError(f"{cls.__name__}: {e} (memory_kwargs {sorted(memory_kwargs)})") from None
+
+
+def drop_read_norms_absent_from(module: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
+    """Remove the read norm (``out_norm``) of every delta-rule memory in ``module`` whose weight ``state_dict``
+    lacks; returns those memories' names in ``module`` (``""`` for ``module`` itself).
+
+    The read norm is the delta-rule cores' default (``output_norm=True``). A model saved before that default has
+    neither the keyword in its ``memory_kwargs`` nor the norm's weight in its state, so loading rebuilds it with
+    a norm it was never trained with; removing the norm restores the model as it was trained. Every other missing
+    key is left for ``load_state_dict`` to report."""
+    dropped = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, _DeltaRuleMemory) and sub.out_norm is not None:
+            if f"{name}.out_norm.weight".lstrip(".") not in state_dict:
+                sub.out_norm = None
+                dropped.append(name)
+    return dropped

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -42,6 +43,7 @@ from stable_baselines3.common.torch_layers import BaseFeaturesExtractor, Flatten
 from stable_baselines3.common.type_aliases import Schedule
 from torch import nn
 
+from rlseq.policies.actor_critic import match_saved_read_norms
 from rlseq.policies.extractors import ImpalaCNN, ImpalaCombinedExtractor
 from rlseq.policies.memory import Memory, make_memory
 
@@ -269,6 +271,12 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
             enable_critic_memory=self.enable_critic_lstm,
         )
         return data
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
+        """``nn.Module.load_state_dict``, after :func:`~rlseq.policies.actor_critic.match_saved_read_norms`
+        (models saved before the read norm became the delta-rule default load as they were trained)."""
+        match_saved_read_norms(self, state_dict)
+        return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- the sequence processing ---------------------------------------------------------------------------
     @staticmethod
