@@ -102,11 +102,13 @@ def _load_checkpoint(latest: Path, cfg: dict[str, Any], args: argparse.Namespace
     import torch
 
     from rlseq.checkpoint import set_rng_state
+    from rlseq.policies.actor_critic import record_adopted_read_norms
 
     step = int(latest.name[len("step"):])
     env = make_env({**cfg, "normalize_reward": False}, seed=resumed_env_seed(cfg["seed"], step))
     env = _load_reward_statistics(latest, env)
     model = _algo_class(cfg).load(latest / "model.zip", env=env, device=device)
+    record_adopted_read_norms(model)  # RecurrentPPO's too: its next checkpoints load without the read norm
     try:
         _adopt_saved_speed_settings(cfg, model, args)
         _check_cuda_graph_train(args, cfg)

@@ -285,6 +285,24 @@ def test_results_of_another_commit_are_refused(tmp_path, monkeypatch):
                     str(out), "--logdir", str(tmp_path / "runs")])
 
 
+def test_run_folders_begun_at_another_commit_are_refused(tmp_path, monkeypatch):
+    """An interrupted or not yet evaluated run folder trained by other code is not resumed under this commit."""
+    out, logdir = tmp_path / "out", tmp_path / "runs"
+    run, fresh = M.build_grid([T1], ["none", "efla"], [0], {T1: 1000})
+    folder = run.folder(logdir)
+    (folder / "checkpoints").mkdir(parents=True)
+    assert M.folder_conflicts([run, fresh], logdir, "abc") == [f"{folder}: started at a commit not recorded"]
+    M.commit_marker(folder).write_text("abc\n")
+    assert M.folder_conflicts([run, fresh], logdir, "abc") == []
+    assert M.folder_conflicts([run, fresh], logdir, "def") == [f"{folder}: started at abc"]
+    monkeypatch.setattr(M, "versions", lambda: {"rlseq": "def"})
+    with pytest.raises(SystemExit, match=r"1 run folder\(s\) began training at another rlseq commit than this one "
+                                         r"\(def\).*\n  .*seed0: started at abc"):
+        bench_main(["memory", "--tasks", T1, "--variants", "none", "efla", "--seeds", "0", "--steps", "1000",
+                    "--out", str(out), "--logdir", str(logdir)])
+    assert not fresh.folder(logdir).exists() and not (out / "results").exists()
+
+
 def test_results_whose_code_has_changed_since_are_flagged(tmp_path):
     """The report names the files behind a result that differ in the checkout, so an old table is not read as
     today's code; other files, unknown commits and folders without git say nothing."""
@@ -441,6 +459,8 @@ def test_a_tiny_slice_end_to_end(tmp_path, capsys):
         assert doc["config"]["n_envs"] == 4 and doc["versions"]["popgym"]
         curve = pd.read_csv(R.run_paths(out, T1, variant, 0)["curve"])
         assert list(curve.columns) == ["step", "ep_rew_mean"] and curve["step"].max() == 512
+        folder = M.BenchRun(T1, variant, 0, 512).folder(logdir)
+        assert M.commit_marker(folder).read_text() == f"{doc['versions']['rlseq']}\n"
     text = (tmp_path / "bench.md").read_text()
     assert "| RepeatPreviousEasy |" in text and "| task | random | efla | none | sb3-efla |" in text
     assert (out / R.CURVES_PNG).exists() and json.loads(R.random_path(out, T1).read_text())["episodes"] == 8

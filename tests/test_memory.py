@@ -447,9 +447,9 @@ def _delta_block_loop(m64, x: torch.Tensor, state: torch.Tensor, resets: torch.T
 
 DELTA_SHAPES = [  # (rule, n_heads, head_dim, value_dim, conv_size, T, join, output_norm): each join on some shape
     ("efla", 2, 8, 12, 4, 37, "residual", False),
-    ("deltanet", 2, 8, 12, 4, 37, "gated", False),
-    ("efla", 1, 16, 4, 3, 21, "prenorm", False),
-    ("deltanet", 3, 4, 8, 1, 18, "read", False),
+    ("deltanet", 2, 8, 12, 4, 37, "gated", True),
+    ("efla", 1, 16, 4, 3, 21, "prenorm", True),
+    ("deltanet", 3, 4, 8, 1, 18, "read", True),
     ("efla", 2, 8, 8, 4, 19, "gated", False),
     ("efla", 3, 8, 12, 4, 37, "residual", True),
     ("deltanet", 2, 4, 8, 2, 21, "residual", True),
@@ -461,7 +461,7 @@ DELTA_SHAPES = [  # (rule, n_heads, head_dim, value_dim, conv_size, T, join, out
 def test_delta_block_matches_float64_loop(rule, H, K, V, W, T, join, output_norm, key_scale):
     """The training path (chunked torch kernel, chunk 16 so T crosses chunks) against the float64 loop, with
     resets at random positions (t = 0 and back to back included), K != V, key norms from 1e-4 to 1e4 (the key
-    projection scaled), every join, the optional read norm, outputs, final state and gradients."""
+    projection scaled), every join, with and without the read norm, outputs, final state and gradients."""
     torch.manual_seed(3)
     m = make_memory(rule, F_IN, d_model=16, n_heads=H, head_dim=K, value_dim=V, conv_size=W, backend="torch",
                     chunk_size=16, join=join, output_norm=output_norm)
@@ -855,14 +855,14 @@ def test_a_model_saved_before_the_read_norm_default_loads_as_it_was_trained(memo
     kwargs = dict(memory=memory, critic_memory=critic_memory, memory_kwargs=dict(n_heads=2, head_dim=8, d_model=16))
     with monkeypatch.context() as m:
         _without_read_norm_by_default(m)
-        old = MemoryPPO("MlpPolicy", env, n_steps=32, n_epochs=1, seed=0, policy_kwargs=kwargs)
+        old = MemoryPPO("MlpPolicy", env, n_steps=32, n_epochs=1, seed=0, policy_kwargs=kwargs, device="cpu")
         old.learn(64)
         assert "output_norm" not in old.policy_kwargs["memory_kwargs"]
         old.save(tmp_path / "old.zip")
     assert make_memory(memory, 4).out_norm is not None  # the default is the norm again
 
     with pytest.warns(UserWarning, match="no read norm .* loaded without it, as it was trained"):
-        loaded = MemoryPPO.load(tmp_path / "old.zip", env=env)
+        loaded = MemoryPPO.load(tmp_path / "old.zip", env=env, device="cpu")
     norms = [sub.out_norm for sub in loaded.policy.modules() if hasattr(sub, "out_norm")]
     assert len(norms) == (2 if critic_memory else 1) and all(n is None for n in norms)
     assert loaded.policy.memory_kwargs["output_norm"] is False
@@ -880,24 +880,66 @@ def test_a_model_saved_before_the_read_norm_default_loads_as_it_was_trained(memo
 
     loaded.save(tmp_path / "again.zip")
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        again = MemoryPPO.load(tmp_path / "again.zip", env=env)
+        warnings.filterwarnings("error", message=".*read norm.*")
+        again = MemoryPPO.load(tmp_path / "again.zip", env=env, device="cpu")
     assert again.policy.memory_kwargs["output_norm"] is False
     assert all(sub.out_norm is None for sub in again.policy.modules() if hasattr(sub, "out_norm"))
 
 
-def test_a_missing_key_other_than_the_read_norm_is_still_refused():
+def _small_efla_ppo(**policy_kwargs):
     import gymnasium as gym
 
     from rlseq.algos import MemoryPPO
 
-    for name in ("efla", "deltanet"):
-        policy = MemoryPPO("MlpPolicy", gym.make("CartPole-v1"), n_steps=32, seed=0,
-                           policy_kwargs=dict(memory=name, memory_kwargs=dict(n_heads=2, head_dim=8, d_model=16))).policy
-        state = {k: v for k, v in policy.state_dict().items() if k != "memory.out_proj.weight"}
-        with pytest.raises(RuntimeError, match="memory.out_proj.weight"):
-            policy.load_state_dict(state)
-        assert policy.memory.out_norm is not None and "output_norm" not in policy.memory_kwargs
+    kwargs = {"memory": "efla", "memory_kwargs": dict(n_heads=2, head_dim=8, d_model=16), **policy_kwargs}
+    return MemoryPPO("MlpPolicy", gym.make("CartPole-v1"), n_steps=32, seed=0, device="cpu", policy_kwargs=kwargs)
+
+
+def test_the_read_norm_is_removed_only_from_a_whole_state_saved_without_it():
+    """A missing key besides the norm's, a partial load, a state with the norm for one memory and not another, and
+    an explicit output_norm=True: each leaves the policy (norms, optimizer, memory_kwargs) as it was."""
+    policy = _small_efla_ppo(critic_memory=True).policy
+    optimizer, full = policy.optimizer, policy.state_dict()
+    old = {k: v for k, v in full.items() if not k.endswith("out_norm.weight")}
+
+    def unchanged() -> bool:
+        return (policy.optimizer is optimizer and "output_norm" not in policy.memory_kwargs
+                and policy.memory.actor.out_norm is not None and policy.memory.critic.out_norm is not None)
+
+    with pytest.raises(RuntimeError, match="memory.actor.out_proj.weight"):  # the load fails after the removal
+        policy.load_state_dict({k: v for k, v in old.items() if k != "memory.actor.out_proj.weight"})
+    assert unchanged()
+    policy.load_state_dict({k: v for k, v in old.items() if k.startswith("value_net")}, strict=False)
+    assert unchanged()
+    with pytest.raises(ValueError, match="read norm .* for memory.actor and none for memory.critic"):
+        policy.load_state_dict({k: v for k, v in full.items() if k != "memory.critic.out_norm.weight"})
+    assert unchanged()
+    explicit = _small_efla_ppo(memory_kwargs=dict(n_heads=2, head_dim=8, d_model=16, output_norm=True)).policy
+    with pytest.raises(RuntimeError, match="memory.out_norm.weight"):
+        explicit.load_state_dict({k: v for k, v in explicit.state_dict().items() if "out_norm" not in k})
+    assert explicit.memory.out_norm is not None
+    with pytest.warns(UserWarning, match="no read norm for memory.actor, memory.critic"):
+        policy.load_state_dict(old)  # the whole state of an old save
+    assert policy.memory.actor.out_norm is None and policy.memory.critic.out_norm is None
+    assert policy.optimizer is not optimizer and policy.memory_kwargs["output_norm"] is False
+
+
+def test_set_parameters_on_a_live_model_remakes_its_acting_step(tmp_path, monkeypatch):
+    """An in-place load that removes the read norm drops the acting step (and its CUDA graph) captured over the
+    old parameters, and records output_norm=False for the next save."""
+    from rlseq.policies.memory import _DeltaRuleMemory
+
+    with monkeypatch.context() as m:
+        m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "output_norm", False)
+        _small_efla_ppo().save(tmp_path / "old.zip")
+    model = _small_efla_ppo()
+    model.learn(32)
+    assert model._acting is not None
+    with pytest.warns(UserWarning, match="no read norm for memory"):
+        model.set_parameters(str(tmp_path / "old.zip"))
+    assert model._acting is None and model.policy.memory.out_norm is None
+    assert model.policy_kwargs["memory_kwargs"]["output_norm"] is False
+    model.learn(32)  # acts and trains on the parameters it has now
 
 
 def test_every_ablation_config_is_valid():

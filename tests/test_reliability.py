@@ -199,28 +199,33 @@ def test_resume_without_config_yaml_checks_the_checkpoints_copy_of_the_settings_
     assert _steps(folder / "final_model.zip") == 64
 
 
-def test_an_efla_run_saved_before_the_read_norm_default_resumes_as_it_was_trained(tmp_path, monkeypatch):
+@pytest.mark.parametrize("algo", ["rlseq", "sb3-recurrent-ppo"])
+def test_an_efla_run_saved_before_the_read_norm_default_resumes_as_it_was_trained(algo, tmp_path, monkeypatch):
     """A run whose checkpoints predate ``output_norm=True`` resumes without the norm (stated by a warning), trains on,
-    and its next checkpoints and final model load without the warning."""
+    and its next checkpoints and final model load without the warning, MemoryPPO's and RecurrentPPO's alike."""
     import warnings
+
+    from sb3_contrib import RecurrentPPO
 
     from rlseq.algos import MemoryPPO
     from rlseq.policies.memory import _DeltaRuleMemory
 
-    argv = [*BASE[:3], "efla", *BASE[4:], "--logdir", str(tmp_path)]
+    argv = [*BASE[:3], "efla", "--algo", algo, *BASE[4:], "--logdir", str(tmp_path)]
     with monkeypatch.context() as m:
         m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "output_norm", False)
         train_main([*argv, "--total-steps", "32"])
-    folder = tmp_path / ENV / "efla" / "seed0"
+    folder = tmp_path / ENV / ("efla" if algo == "rlseq" else "sb3-efla") / "seed0"
     (folder / "final_model.zip").unlink()
-    with pytest.warns(UserWarning, match="no read norm for memory"):
+    with pytest.warns(UserWarning, match="no read norm for"):
         train_main([*argv, "--total-steps", "48", "--resume"])
+    cls = MemoryPPO if algo == "rlseq" else RecurrentPPO
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        final = MemoryPPO.load(folder / "final_model.zip", device="cpu")
-        newest = MemoryPPO.load(folder / "checkpoints" / "step48" / "model.zip", device="cpu")
-    assert final.num_timesteps == 48 and final.policy.memory.out_norm is None
-    assert newest.policy.memory.out_norm is None
+        warnings.filterwarnings("error", message=".*read norm.*")
+        final = cls.load(folder / "final_model.zip", device="cpu")
+        newest = cls.load(folder / "checkpoints" / "step48" / "model.zip", device="cpu")
+    assert final.num_timesteps == 48
+    for model in (final, newest):
+        assert all(sub.out_norm is None for sub in model.policy.modules() if hasattr(sub, "out_norm"))
 
 
 # --- 4. SIGINT and SIGTERM -----------------------------------------------------------------------------------

@@ -249,28 +249,55 @@ def test_learn_save_load_predict_round_trip(policy, tmp_path: pathlib.Path):
 
 
 def test_a_drop_in_model_saved_before_the_read_norm_default_loads_as_it_was_trained(tmp_path, monkeypatch):
-    """RecurrentPPO(EflaMlpPolicy) saved when ``output_norm`` defaulted to False loads without the norm (actor
-    and critic memory), with a warning, and acts as it did."""
+    """RecurrentPPO(EflaMlpPolicy) saved when ``output_norm`` defaulted to False loads without the norm (actor and
+    critic memory), with a warning, with its outputs and optimizer state as saved; once its policy_kwargs record
+    the setting, it saves and loads again without the warning."""
+    import warnings
+
+    from rlseq.policies.actor_critic import record_adopted_read_norms
     from rlseq.policies.memory import _DeltaRuleMemory
 
     env = _cue_env(2)
     with monkeypatch.context() as m:
         m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "output_norm", False)
-        model = RecurrentPPO(EflaMlpPolicy, env, n_steps=16, batch_size=16, n_epochs=1, seed=1,
+        model = RecurrentPPO(EflaMlpPolicy, env, n_steps=16, batch_size=16, n_epochs=1, seed=1, device="cpu",
                              policy_kwargs=dict(memory_kwargs=dict(n_heads=2, head_dim=8)))
         model.learn(32)
         _perturb(model.policy, seed=3, scale=0.5)
         model.save(tmp_path / "model.zip")
     with pytest.warns(UserWarning, match="no read norm for lstm_actor.memory, lstm_critic.memory"):
-        loaded = RecurrentPPO.load(tmp_path / "model.zip", env=env)
+        loaded = RecurrentPPO.load(tmp_path / "model.zip", env=env, device="cpu")
     assert loaded.policy.memory_actor.out_norm is None and loaded.policy.lstm_critic.memory.out_norm is None
-    obs = _cue_env(2, seed=7).reset()
+    obs_env = _cue_env(2, seed=7)
+    obs = obs_env.reset()
     starts = np.ones(2, dtype=bool)
-    a0, s0 = model.predict(obs, episode_start=starts, deterministic=True)
-    a1, s1 = loaded.predict(obs, episode_start=starts, deterministic=True)
-    np.testing.assert_array_equal(a0, a1)
-    np.testing.assert_array_equal(s0[0], s1[0])
+    states = (None, None)
+    for _ in range(6):  # the same steps through both: actions, then logits and values from the states reached
+        a0, s0 = model.predict(obs, state=states[0], episode_start=starts, deterministic=True)
+        a1, s1 = loaded.predict(obs, state=states[1], episode_start=starts, deterministic=True)
+        np.testing.assert_array_equal(a0, a1)
+        states = (s0, s1)
+        obs, _, starts, _ = obs_env.step(a0)
+    def logits_and_values(policy, state):
+        h, c = (torch.as_tensor(x) for x in state)
+        o, e = torch.as_tensor(obs), torch.as_tensor(starts, dtype=torch.float32)
+        policy.set_training_mode(False)
+        with torch.no_grad():
+            return policy.get_distribution(o, (h, c), e)[0].distribution.logits, policy.predict_values(o, (h, c), e)
+
+    for got, want in zip(logits_and_values(loaded.policy, states[1]), logits_and_values(model.policy, states[0])):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    saved_adam, loaded_adam = model.policy.optimizer.state_dict()["state"], loaded.policy.optimizer.state_dict()["state"]
+    assert len(saved_adam) == len(loaded_adam) > 0
+    for i, st in saved_adam.items():
+        torch.testing.assert_close(loaded_adam[i]["exp_avg"], st["exp_avg"], rtol=0, atol=0)
     loaded.learn(16)
+    record_adopted_read_norms(loaded)
+    loaded.save(tmp_path / "again.zip")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*read norm.*")
+        again = RecurrentPPO.load(tmp_path / "again.zip", env=env, device="cpu")
+    assert again.policy.memory_actor.out_norm is None
 
 
 def test_lstm_policy_kwargs_still_work():

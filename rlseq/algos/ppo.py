@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from gymnasium import spaces
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
+from stable_baselines3.common.save_util import load_from_zip_file
 from stable_baselines3.common.type_aliases import GymEnv, MaybeCallback, Schedule
 from stable_baselines3.common.utils import FloatSchedule, obs_as_tensor
 from stable_baselines3.common.vec_env import VecEnv, VecTransposeImage
@@ -33,7 +34,7 @@ from rlseq.algos.buffer import SequenceRolloutBuffer
 from rlseq.algos.phases import PhaseTimer
 from rlseq.algos.training import ClipRange, TrainStep, clip_bounds, graph_obstacles
 from rlseq.envs.wrappers import with_finite_check
-from rlseq.policies.actor_critic import MemoryPPOPolicy
+from rlseq.policies.actor_critic import MemoryPPOPolicy, record_adopted_read_norms
 
 
 class MemoryPPO(PPO):
@@ -176,13 +177,16 @@ class MemoryPPO(PPO):
             self.clip_range_vf = FloatSchedule(self.clip_range_vf)
 
     def set_parameters(self, load_path_or_dict, exact_match: bool = True, device: torch.device | str = "auto") -> None:
-        """SB3's; a model saved before the read norm became the delta-rule default has just been loaded without it
-        (:func:`~rlseq.policies.actor_critic.match_saved_read_norms`), and its ``policy_kwargs`` now say so, so
-        that it saves and loads again as it is."""
-        super().set_parameters(load_path_or_dict, exact_match=exact_match, device=device)
-        if self.policy.memory_kwargs.get("output_norm") is False:
-            memory_kwargs = {**(self.policy_kwargs.get("memory_kwargs") or {}), "output_norm": False}
-            self.policy_kwargs = {**self.policy_kwargs, "memory_kwargs": memory_kwargs}
+        """SB3's, with the policy's state loaded before its optimizer's (a model saved before the read norm became
+        the delta-rule default drops that norm and remakes its optimizer first:
+        :func:`~rlseq.policies.actor_critic.adopting_saved_read_norms`), its ``policy_kwargs`` then saying so, and
+        the acting and training graphs made again, since the parameters they captured may have changed."""
+        if not isinstance(load_path_or_dict, dict):
+            _, load_path_or_dict, _ = load_from_zip_file(load_path_or_dict, device=device, load_data=False)
+        params = {k: load_path_or_dict[k] for k in sorted(load_path_or_dict, key=lambda k: k != "policy")}
+        super().set_parameters(params, exact_match=exact_match, device=device)
+        record_adopted_read_norms(self)
+        self._acting = self._train_step = None
 
     def _excluded_save_params(self) -> list[str]:
         return super()._excluded_save_params() + ["_memory_state", "phases", "_acting", "_train_step",

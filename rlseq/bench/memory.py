@@ -164,6 +164,26 @@ def commit_conflicts(runs: list[BenchRun], out: Path, commit: str) -> list[str]:
     return bad
 
 
+def commit_marker(folder: Path) -> Path:
+    """The file beside a run folder that names the rlseq commit its training started at."""
+    return folder.with_name(folder.name + ".rlseq-commit")
+
+
+def folder_conflicts(runs: list[BenchRun], logdir: Path, commit: str) -> list[str]:
+    """Run folders of ``runs`` (started, not yet evaluated) whose training began at another rlseq commit than
+    ``commit``, or at one not recorded: resuming or evaluating them would stamp ``commit`` on a model that
+    other code trained."""
+    bad = []
+    for run in runs:
+        folder = run.folder(logdir)
+        if folder.exists():
+            marker = commit_marker(folder)
+            had = marker.read_text().strip() if marker.exists() else None
+            if had != commit:
+                bad.append(f"{folder}: started at {had or 'a commit not recorded'}")
+    return bad
+
+
 def is_done(run: BenchRun, out: Path) -> bool:
     return run_paths(out, run.task, run.variant, run.seed)["result"].exists()
 
@@ -318,6 +338,9 @@ def _run_one(spec: dict[str, Any]) -> dict[str, Any]:
     folder, paths = Path(spec["folder"]), {k: Path(v) for k, v in spec["paths"].items()}
     resumed = folder.exists()
     train_wall = None
+    if not resumed:
+        commit_marker(folder).parent.mkdir(parents=True, exist_ok=True)
+        commit_marker(folder).write_text(f"{(spec['versions'] or {}).get('rlseq', 'unknown')}\n")
     try:
         if not (folder / "final_model.zip").exists():
             env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -661,6 +684,12 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(f"error: {len(stale)} result(s) of these tasks were made at another rlseq commit than this "
                          f"one ({commit}), and a table's rows come from one commit: choose another --out and "
                          f"--logdir, or remove them (or check out their commit):\n  {shown}")
+    started = folder_conflicts(todo, logdir, commit)
+    if started:
+        shown = "\n  ".join(started[:8]) + (f"\n  (+{len(started) - 8} more)" if len(started) > 8 else "")
+        raise SystemExit(f"error: {len(started)} run folder(s) began training at another rlseq commit than this one "
+                         f"({commit}), or at one not recorded, and this commit would be stamped on their results: "
+                         f"remove them or choose another --logdir (or check out their commit):\n  {shown}")
     print(f"memory benchmark: {len(runs)} runs ({len(g['tasks'])} tasks x {len(g['variants'])} variants x "
           f"{len(g['seeds'])} seeds), {len(runs) - len(todo)} done already, {len(todo)} to run on {g['jobs']} jobs; "
           f"results in {out / 'results'}, run folders in {logdir}", flush=True)

@@ -6,8 +6,9 @@ between `efla`, `deltanet`, `gru`, `lstm` and `none`, so comparisons isolate the
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any
 
@@ -29,7 +30,7 @@ from stable_baselines3.common.type_aliases import PyTorchObs, Schedule
 from torch import nn
 from torch.distributions import Bernoulli, Categorical, Normal
 
-from rlseq.policies.memory import ActorCriticMemory, Memory, drop_read_norms_absent_from, make_memory
+from rlseq.policies.memory import ActorCriticMemory, Memory, make_memory, saved_without_read_norm
 
 
 def default_features_extractor(observation_space: spaces.Space) -> type[BaseFeaturesExtractor]:
@@ -193,21 +194,51 @@ class ValueNormalizer(nn.Module):
         self.std.copy_(new_std)
 
 
-def match_saved_read_norms(policy: BasePolicy, state_dict: Mapping[str, Any]) -> None:
-    """Before ``policy.load_state_dict(state_dict)``: a delta-rule memory saved before the read norm became its
-    default loses the norm it was rebuilt with (:func:`~rlseq.policies.memory.drop_read_norms_absent_from`), the
-    policy's ``memory_kwargs`` then say ``output_norm=False``, so that it saves as it is, and its optimizer is made
-    again over the remaining parameters (same class, arguments and learning rate), so that the saved optimizer
-    state, loaded next, matches it. Says so with a warning."""
-    dropped = drop_read_norms_absent_from(policy, state_dict)
-    if not dropped:
+@contextlib.contextmanager
+def adopting_saved_read_norms(policy: BasePolicy, state_dict: Mapping[str, Any], strict: bool) -> Iterator[None]:
+    """Around ``policy.load_state_dict(state_dict, strict)``: a state saved before the read norm became the
+    delta-rule default loads as it was trained.
+
+    Where every delta-rule memory whose weights ``state_dict`` holds lacks its read norm there
+    (:func:`~rlseq.policies.memory.saved_without_read_norm`), and ``output_norm`` was not given explicitly, those
+    norms are removed and the optimizer is made again over the remaining parameters (same class, arguments and
+    learning rate), so that the optimizer state SB3 loads after the policy's matches it. Once the load has
+    succeeded, ``policy.memory_kwargs`` say ``output_norm=False`` and a warning says so; if it fails, the policy
+    and its optimizer are restored. A partial load (``strict=False``) changes nothing. ``MemoryPPO`` then records
+    the setting in its ``policy_kwargs`` (:func:`record_adopted_read_norms`), so that it saves as it now is."""
+    given = policy.memory_kwargs.get("output_norm")
+    names = saved_without_read_norm(policy, state_dict) if strict and given is None else []
+    if not names:
+        yield
         return
+    modules = dict(policy.named_modules())
+    norms, optimizer = {name: modules[name].out_norm for name in names}, policy.optimizer
+    for name in names:
+        modules[name].out_norm = None
+    policy.optimizer = policy.optimizer_class(policy.parameters(), lr=optimizer.param_groups[0]["lr"],
+                                              **policy.optimizer_kwargs)
+    try:
+        yield
+    except BaseException:
+        for name, norm in norms.items():
+            modules[name].out_norm = norm
+        policy.optimizer = optimizer
+        raise
     policy.memory_kwargs["output_norm"] = False
-    lr = policy.optimizer.param_groups[0]["lr"]
-    policy.optimizer = policy.optimizer_class(policy.parameters(), lr=lr, **policy.optimizer_kwargs)
-    warnings.warn(f"{type(policy).__name__}: the saved state has no read norm for {', '.join(dropped)} (saved "
+    warnings.warn(f"{type(policy).__name__}: the saved state has no read norm for {', '.join(names)} (saved "
                   "before output_norm=True became the delta-rule default): loaded without it, as it was trained "
-                  "(memory_kwargs output_norm=False)", stacklevel=3)
+                  "(memory_kwargs output_norm=False)", stacklevel=4)
+
+
+def record_adopted_read_norms(model: Any) -> None:
+    """An SB3 algorithm ``model`` just loaded: where its policy was loaded without the read norm
+    (:func:`adopting_saved_read_norms`), its ``policy_kwargs`` say ``output_norm=False`` too, so that its next save
+    loads as it is, without the norm and without the warning."""
+    if getattr(model.policy, "memory_kwargs", {}).get("output_norm") is not False:
+        return
+    memory_kwargs = dict(model.policy_kwargs.get("memory_kwargs") or {})
+    if memory_kwargs.get("output_norm") is not False:
+        model.policy_kwargs = {**model.policy_kwargs, "memory_kwargs": {**memory_kwargs, "output_norm": False}}
 
 
 class MemoryPPOPolicy(BasePolicy):
@@ -348,10 +379,10 @@ class MemoryPPOPolicy(BasePolicy):
         return data
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``, after :func:`match_saved_read_norms` (models saved before the read
+        """``nn.Module.load_state_dict`` inside :func:`adopting_saved_read_norms` (models saved before the read
         norm became the delta-rule default load as they were trained)."""
-        match_saved_read_norms(self, state_dict)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        with adopting_saved_read_norms(self, state_dict, strict):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # --- state ----------------------------------------------------------------------------------------
 

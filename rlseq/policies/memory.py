@@ -15,8 +15,8 @@ removes the window (a per-channel affine map) for every memory alike.
 ===============  ==============================================  ============================================
 memory           state per sequence (flat, float32)              core
 ===============  ==============================================  ============================================
-``"efla"``       ``H·K·V + (W-1)·d`` (matrix, then the window)   silu(W_qkv u) → EFLA (raw keys) → W_o
-``"deltanet"``   same                                            silu(W_qkv u) → DeltaNet (unit keys) → W_o
+``"efla"``       ``H·K·V + (W-1)·d`` (matrix, then the window)   silu(W_qkv u) → EFLA (raw keys) → RMSNorm → W_o
+``"deltanet"``   same                                            silu(W_qkv u) → DeltaNet (unit keys) → RMSNorm → W_o
 ``"gru"``        ``L·hidden + (W-1)·d``                          ``nn.GRU`` → W_o
 ``"lstm"``       ``2·L·hidden + (W-1)·d`` (h, then c)             ``nn.LSTM`` → W_o
 ``"none"``       ``(W-1)·d`` (the window alone)                  nothing: ``y = LayerNorm(u)``
@@ -91,7 +91,7 @@ __all__ = [
     "Memory",
     "MemoryStateError",
     "NoMemory",
-    "drop_read_norms_absent_from",
+    "saved_without_read_norm",
     "make_memory",
     "memory_class",
 ]
@@ -489,7 +489,7 @@ class EFLAMemory(_DeltaRuleMemory):
         output_norm: RMS-normalise each head's read ``o_h`` over its V entries (a learned scale shared by the
             heads, flash-linear-attention's ``o_norm``) before ``W_o`` (default True): the read keeps unit scale
             however large the state grows, and EFLA's seeds stay together (``docs/memory.md``). A model saved
-            before this default carries no norm and loads without it (:func:`drop_read_norms_absent_from`).
+            before this default carries no norm and loads without it (:func:`saved_without_read_norm`).
         key_norm_cap: None (default): raw keys. A number c > 0: keys longer than c are scaled to length c, so the
             gate stays at most ``1 - e^{-c²}`` and β keeps control of the write (an option under test on the
             memory benchmark; ``docs/memory.md``, EFLA's seeds on RepeatFirstMedium).
@@ -889,18 +889,25 @@ def make_memory(name: str, in_features: int, **memory_kwargs: Any) -> Memory:
         raise TypeError(f"{cls.__name__}: {e} (memory_kwargs {sorted(memory_kwargs)})") from None
 
 
-def drop_read_norms_absent_from(module: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
-    """Remove the read norm (``out_norm``) of every delta-rule memory in ``module`` whose weight ``state_dict``
-    lacks; returns those memories' names in ``module`` (``""`` for ``module`` itself).
-
-    The read norm is the delta-rule cores' default (``output_norm=True``). A model saved before that default has
-    neither the keyword in its ``memory_kwargs`` nor the norm's weight in its state, so loading rebuilds it with
-    a norm it was never trained with; removing the norm restores the model as it was trained. Every other missing
-    key is left for ``load_state_dict`` to report."""
-    dropped = []
+def saved_without_read_norm(module: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
+    """Names (in ``module``; ``""`` for ``module`` itself) of the delta-rule memories that have a read norm while
+    ``state_dict``, which holds their other weights, has none for them: a state saved before ``output_norm=True``
+    became the delta-rule default, which a caller may load by removing those norms (as
+    :class:`~rlseq.policies.actor_critic.MemoryPPOPolicy` does). Memories whose weights ``state_dict`` does not
+    hold are left out. Raises ``ValueError`` where the state has the norm for some memories and not for others:
+    no save of any version looks like that."""
+    saved_with, missing = [], []
     for name, sub in module.named_modules():
-        if isinstance(sub, _DeltaRuleMemory) and sub.out_norm is not None:
-            if f"{name}.out_norm.weight".lstrip(".") not in state_dict:
-                sub.out_norm = None
-                dropped.append(name)
-    return dropped
+        if not isinstance(sub, _DeltaRuleMemory):
+            continue
+        prefix = f"{name}." if name else ""
+        if f"{prefix}out_proj.weight" not in state_dict:
+            continue
+        if f"{prefix}out_norm.weight" in state_dict:
+            saved_with.append(name)
+        elif sub.out_norm is not None:
+            missing.append(name)
+    if saved_with and missing:
+        raise ValueError(f"the state has a read norm (out_norm.weight) for {', '.join(saved_with)} and none for "
+                         f"{', '.join(missing)}: it is not one model's save")
+    return missing

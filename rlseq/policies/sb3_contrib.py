@@ -43,7 +43,7 @@ from stable_baselines3.common.torch_layers import BaseFeaturesExtractor, Flatten
 from stable_baselines3.common.type_aliases import Schedule
 from torch import nn
 
-from rlseq.policies.actor_critic import match_saved_read_norms
+from rlseq.policies.actor_critic import adopting_saved_read_norms
 from rlseq.policies.extractors import ImpalaCNN, ImpalaCombinedExtractor
 from rlseq.policies.memory import Memory, make_memory
 
@@ -273,10 +273,12 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
         return data
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
-        """``nn.Module.load_state_dict``, after :func:`~rlseq.policies.actor_critic.match_saved_read_norms`
-        (models saved before the read norm became the delta-rule default load as they were trained)."""
-        match_saved_read_norms(self, state_dict)
-        return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        """``nn.Module.load_state_dict`` inside :func:`~rlseq.policies.actor_critic.adopting_saved_read_norms`
+        (models saved before the read norm became the delta-rule default load as they were trained; sb3-contrib's
+        ``RecurrentPPO`` keeps ``output_norm`` out of its ``policy_kwargs``, so such a model warns at every load
+        until :func:`~rlseq.policies.actor_critic.record_adopted_read_norms` is called before it is saved)."""
+        with adopting_saved_read_norms(self, state_dict, strict):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
     # -- the sequence processing ---------------------------------------------------------------------------
     @staticmethod
