@@ -37,11 +37,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available() or os.environ.get("TRITO
 
 
 def _cartpole(memory: str = "efla", *, n_envs: int = 4, n_minibatches: int = 2, n_epochs: int = 3,
-              optimizer_kwargs: dict | None = FUSED, **kwargs) -> MemoryPPO:
+              optimizer_kwargs: dict | None = FUSED, memory_kwargs: dict | None = None, **kwargs) -> MemoryPPO:
     env = make_vec_env("CartPole-v1", n_envs=n_envs, seed=0)
     kwargs.setdefault("learning_rate", LR)
+    memory_kwargs = {**MEMORY_KWARGS[memory], **(memory_kwargs or {})}
     model = MemoryPPO("MlpPolicy", env, n_steps=32, n_minibatches=n_minibatches, n_epochs=n_epochs, seed=0,
-                      device="cpu", policy_kwargs=dict(memory=memory, memory_kwargs=MEMORY_KWARGS[memory],
+                      device="cpu", policy_kwargs=dict(memory=memory, memory_kwargs=memory_kwargs,
                                                        optimizer_kwargs=optimizer_kwargs), **kwargs)
     model.set_logger(configure(None, []))
     return model
@@ -152,8 +153,12 @@ def test_lr_schedule_and_clip_range_changes_reach_the_step_through_its_tensors()
 
 def test_a_learning_rate_that_is_not_a_float32_number_agrees_within_1e_6():
     """The realistic case (5e-4, a linear schedule): fused Adam reads the tensor rate as float32(lr), the eager
-    loop's float as the double lr, ~5e-8 apart relative."""
-    eager, stepped = _twins(_cartpole, learning_rate=lambda progress: 5e-4 * progress)
+    loop's float as the double lr, ~5e-8 apart relative. The block without EFLA's read norm: the norm scales a read
+    near zero (a fresh state's first writes) by up to 1/sqrt(eps), so the same 5e-8 grows about 20-fold more over
+    these 12 updates (exp_avg 1.6e-7 apart against 7e-9), which is the model's sensitivity, not the step's; the
+    bitwise tests above check the step on the default block, norm included."""
+    eager, stepped = _twins(_cartpole, learning_rate=lambda progress: 5e-4 * progress,
+                            memory_kwargs={"output_norm": False})
     step = TrainStep(stepped)
     for seed, progress in ((1, 1.0), (2, 0.7)):
         eager._current_progress_remaining = stepped._current_progress_remaining = progress

@@ -164,6 +164,11 @@ def commit_conflicts(runs: list[BenchRun], out: Path, commit: str) -> list[str]:
     return bad
 
 
+def listed(lines: list[str], most: int = 8) -> str:
+    """The first ``most`` of ``lines``, each on a line of its own after two spaces, and how many more there are."""
+    return "\n  ".join(lines[:most]) + (f"\n  (+{len(lines) - most} more)" if len(lines) > most else "")
+
+
 def commit_marker(folder: Path) -> Path:
     """The file beside a run folder that names the rlseq commit its training started at."""
     return folder.with_name(folder.name + ".rlseq-commit")
@@ -659,9 +664,8 @@ def main(args: argparse.Namespace) -> None:
     runs = build_grid(g["tasks"], g["variants"], g["seeds"], g["steps"])
     conflicts = budget_conflicts(runs, out, logdir)
     if conflicts:
-        shown = "\n  ".join(conflicts[:8]) + (f"\n  (+{len(conflicts) - 8} more)" if len(conflicts) > 8 else "")
         raise SystemExit(f"error: {len(conflicts)} run(s) were made with another budget; choose another --out and "
-                         f"--logdir, or remove them:\n  {shown}")
+                         f"--logdir, or remove them:\n  {listed(conflicts)}")
     todo = [r for r in runs if not is_done(r, out)]
     if args.dry_run:
         for r in runs:
@@ -680,16 +684,14 @@ def main(args: argparse.Namespace) -> None:
     commit = versions()["rlseq"]
     stale = commit_conflicts(runs, out, commit)
     if stale:
-        shown = "\n  ".join(stale[:8]) + (f"\n  (+{len(stale) - 8} more)" if len(stale) > 8 else "")
         raise SystemExit(f"error: {len(stale)} result(s) of these tasks were made at another rlseq commit than this "
                          f"one ({commit}), and a table's rows come from one commit: choose another --out and "
-                         f"--logdir, or remove them (or check out their commit):\n  {shown}")
+                         f"--logdir, or remove them (or check out their commit):\n  {listed(stale)}")
     started = folder_conflicts(todo, logdir, commit)
     if started:
-        shown = "\n  ".join(started[:8]) + (f"\n  (+{len(started) - 8} more)" if len(started) > 8 else "")
         raise SystemExit(f"error: {len(started)} run folder(s) began training at another rlseq commit than this one "
                          f"({commit}), or at one not recorded, and this commit would be stamped on their results: "
-                         f"remove them or choose another --logdir (or check out their commit):\n  {shown}")
+                         f"remove them or choose another --logdir (or check out their commit):\n  {listed(started)}")
     print(f"memory benchmark: {len(runs)} runs ({len(g['tasks'])} tasks x {len(g['variants'])} variants x "
           f"{len(g['seeds'])} seeds), {len(runs) - len(todo)} done already, {len(todo)} to run on {g['jobs']} jobs; "
           f"results in {out / 'results'}, run folders in {logdir}", flush=True)
