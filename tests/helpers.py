@@ -1,6 +1,7 @@
 """Test helpers: the comparison of eager and CUDA-graph rollouts, a tiny `bench train` call, the wait for a
-subprocess's trainer and torch's thread setting recorded instead of made (the kernel inputs and their error
-measure live in rlseq.bench.kernels, shared with the benchmarks)."""
+subprocess's trainer, torch's thread setting recorded instead of made, and delta-rule memories built as before
+their read norm was the default (the kernel inputs and their error measure live in rlseq.bench.kernels, shared
+with the benchmarks)."""
 
 from __future__ import annotations
 
@@ -121,3 +122,11 @@ def record_torch_threads(monkeypatch) -> list[int]:
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     monkeypatch.setattr(torch, "set_num_threads", calls.append)
     return calls
+
+
+def read_norm_off_by_default(monkeypatch) -> None:
+    """Until ``monkeypatch`` is undone, delta-rule memories are built as rlseq built them before ``output_norm=True``
+    became their default: models made then are saved without the norm or the keyword, as old saves are."""
+    from rlseq.policies.memory import _DeltaRuleMemory
+
+    monkeypatch.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "output_norm", False)

@@ -39,6 +39,7 @@ from rlseq.policies import (  # noqa: E402
 )
 from rlseq.policies.memory import JOINS, ActorCriticMemory, GRUMemory  # noqa: E402
 from rlseq.policies.short_conv import ShortConv  # noqa: E402
+from tests.helpers import read_norm_off_by_default  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -834,13 +835,6 @@ def test_the_read_norm_is_the_default_can_be_turned_off_and_a_non_boolean_is_ref
         {"gru": {"output_norm": True}}, "f.yml")[0]
 
 
-def _without_read_norm_by_default(monkeypatch):
-    """Build delta-rule memories as rlseq did before the read norm was their default."""
-    from rlseq.policies.memory import _DeltaRuleMemory
-
-    monkeypatch.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "output_norm", False)
-
-
 @pytest.mark.parametrize(("memory", "critic_memory"), [("efla", False), ("deltanet", True)])
 def test_a_model_saved_before_the_read_norm_default_loads_as_it_was_trained(memory, critic_memory, tmp_path,
                                                                             monkeypatch):
@@ -854,7 +848,7 @@ def test_a_model_saved_before_the_read_norm_default_loads_as_it_was_trained(memo
     env = gym.make("CartPole-v1")
     kwargs = dict(memory=memory, critic_memory=critic_memory, memory_kwargs=dict(n_heads=2, head_dim=8, d_model=16))
     with monkeypatch.context() as m:
-        _without_read_norm_by_default(m)
+        read_norm_off_by_default(m)
         old = MemoryPPO("MlpPolicy", env, n_steps=32, n_epochs=1, seed=0, policy_kwargs=kwargs, device="cpu")
         old.learn(64)
         assert "output_norm" not in old.policy_kwargs["memory_kwargs"]
@@ -927,10 +921,8 @@ def test_the_read_norm_is_removed_only_from_a_whole_state_saved_without_it():
 def test_set_parameters_on_a_live_model_remakes_its_acting_step(tmp_path, monkeypatch):
     """An in-place load that removes the read norm drops the acting step (and its CUDA graph) captured over the
     old parameters, and records output_norm=False for the next save."""
-    from rlseq.policies.memory import _DeltaRuleMemory
-
     with monkeypatch.context() as m:
-        m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "output_norm", False)
+        read_norm_off_by_default(m)
         _small_efla_ppo().save(tmp_path / "old.zip")
     model = _small_efla_ppo()
     model.learn(32)

@@ -208,11 +208,11 @@ def test_an_efla_run_saved_before_the_read_norm_default_resumes_as_it_was_traine
     from sb3_contrib import RecurrentPPO
 
     from rlseq.algos import MemoryPPO
-    from rlseq.policies.memory import _DeltaRuleMemory
+    from tests.helpers import read_norm_off_by_default
 
     argv = [*BASE[:3], "efla", "--algo", algo, *BASE[4:], "--logdir", str(tmp_path)]
     with monkeypatch.context() as m:
-        m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "output_norm", False)
+        read_norm_off_by_default(m)
         train_main([*argv, "--total-steps", "32"])
     folder = tmp_path / ENV / ("efla" if algo == "rlseq" else "sb3-efla") / "seed0"
     (folder / "final_model.zip").unlink()

@@ -255,11 +255,11 @@ def test_a_drop_in_model_saved_before_the_read_norm_default_loads_as_it_was_trai
     import warnings
 
     from rlseq.policies.actor_critic import record_adopted_read_norms
-    from rlseq.policies.memory import _DeltaRuleMemory
+    from tests.helpers import read_norm_off_by_default
 
     env = _cue_env(2)
     with monkeypatch.context() as m:
-        m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "output_norm", False)
+        read_norm_off_by_default(m)
         model = RecurrentPPO(EflaMlpPolicy, env, n_steps=16, batch_size=16, n_epochs=1, seed=1, device="cpu",
                              policy_kwargs=dict(memory_kwargs=dict(n_heads=2, head_dim=8)))
         model.learn(32)
@@ -278,6 +278,7 @@ def test_a_drop_in_model_saved_before_the_read_norm_default_loads_as_it_was_trai
         np.testing.assert_array_equal(a0, a1)
         states = (s0, s1)
         obs, _, starts, _ = obs_env.step(a0)
+
     def logits_and_values(policy, state):
         h, c = (torch.as_tensor(x) for x in state)
         o, e = torch.as_tensor(obs), torch.as_tensor(starts, dtype=torch.float32)

@@ -91,9 +91,9 @@ __all__ = [
     "Memory",
     "MemoryStateError",
     "NoMemory",
-    "saved_without_read_norm",
     "make_memory",
     "memory_class",
+    "saved_without_read_norm",
 ]
 
 
