@@ -85,6 +85,9 @@ CONSISTENCY_CASES = [pytest.param(name, "torch", {}, id=f"{name}-torch") for nam
 ] + [  # the delta-rule cores without their read norm, on both backends
     pytest.param(name, backend, dict(output_norm=False), id=f"{name}-{backend}-no-output-norm")
     for name in ("efla", "deltanet") for backend in ("torch", "triton")
+] + [  # rotary positions, on both backends
+    pytest.param(name, backend, dict(rotary_base=100.0), id=f"{name}-{backend}-rotary")
+    for name in ("efla", "deltanet") for backend in ("torch", "triton")
 ]
 
 
@@ -420,9 +423,12 @@ def _delta_block_loop(m64, x: torch.Tensor, state: torch.Tensor, resets: torch.T
     window at every episode start."""
     B, T, _ = x.shape
     H, K, V, W, d = m64.n_heads, m64.head_dim, m64.value_dim, m64.conv.kernel_size, m64.d_model
-    flat = state.double()  # layout from the docs: the matrix [H, K, V] first, then the window [W-1, d]
+    # layout from the docs: the matrix [H, K, V] first, with rotary positions the next step's position, then the
+    # window [W-1, d]
+    flat, n_pos = state.double(), int(m64.rotary_base is not None)
     matrix = flat[:, : H * K * V].reshape(B, H, K, V).clone()
-    window = flat[:, H * K * V :].reshape(B, W - 1, d).clone()
+    position = flat[:, H * K * V].clone() if n_pos else None
+    window = flat[:, H * K * V + n_pos :].reshape(B, W - 1, d).clone()
     h, u, final_window = _front_loop(m64, x, window, resets)
     # the heads from their definition: channels [q | k | v], head-major; unit queries; DeltaNet's unit keys;
     # β = sigmoid(w_β · h + b_β), h before the convolution; q, k, v = silu(W_qkv u)
@@ -437,35 +443,48 @@ def _delta_block_loop(m64, x: torch.Tensor, state: torch.Tensor, resets: torch.T
     outs = []
     for t in range(T):
         matrix = matrix * (~resets[:, t]).double().view(B, 1, 1, 1)
-        o, matrix = naive_step(q[:, t], k[:, t], v[:, t], beta[:, t], matrix, m64.rule)
+        q_t, k_t = q[:, t], k[:, t]
+        if position is not None:  # the step's position in its episode turns channel i with channel i + K/2
+            position = torch.where(resets[:, t], 0.0, position)
+            omega = m64.rotary_base ** (-torch.arange(K // 2, dtype=torch.float64) / (K // 2))
+            angle = (position[:, None] * omega)[:, None, :]
+            c, s_ = angle.cos(), angle.sin()
+            q_t, k_t = [torch.cat([z[..., : K // 2] * c - z[..., K // 2 :] * s_,
+                                   z[..., : K // 2] * s_ + z[..., K // 2 :] * c], -1) for z in (q_t, k_t)]
+            position = position + 1
+        o, matrix = naive_step(q_t, k_t, v[:, t], beta[:, t], matrix, m64.rule)
         outs.append(o)
     o = torch.stack(outs, 1)
     if m64.out_norm is not None:  # RMS over each head's V entries (eps 1e-5), one learned scale shared by the heads
         o = o / (o.square().mean(-1, keepdim=True) + 1e-5).sqrt() * m64.out_norm.weight
     y = _join_definition(m64, u, m64.out_proj(o.flatten(-2)))
-    return y, torch.cat([matrix.flatten(1), final_window.flatten(1)], 1)
+    parts = [matrix.flatten(1), *([position[:, None]] if position is not None else []), final_window.flatten(1)]
+    return y, torch.cat(parts, 1)
 
 
-DELTA_SHAPES = [  # (rule, n_heads, head_dim, value_dim, conv_size, T, join, output_norm): each join on some shape
-    ("efla", 2, 8, 12, 4, 37, "residual", False),
-    ("deltanet", 2, 8, 12, 4, 37, "gated", True),
-    ("efla", 1, 16, 4, 3, 21, "prenorm", True),
-    ("deltanet", 3, 4, 8, 1, 18, "read", True),
-    ("efla", 2, 8, 8, 4, 19, "gated", False),
-    ("efla", 3, 8, 12, 4, 37, "residual", True),
-    ("deltanet", 2, 4, 8, 2, 21, "residual", True),
+DELTA_SHAPES = [  # (rule, n_heads, head_dim, value_dim, conv_size, T, join, output_norm, rotary_base)
+    ("efla", 2, 8, 12, 4, 37, "residual", False, None),
+    ("deltanet", 2, 8, 12, 4, 37, "gated", True, None),
+    ("efla", 1, 16, 4, 3, 21, "prenorm", True, None),
+    ("deltanet", 3, 4, 8, 1, 18, "read", True, None),
+    ("efla", 2, 8, 8, 4, 19, "gated", False, None),
+    ("efla", 3, 8, 12, 4, 37, "residual", True, None),
+    ("deltanet", 2, 4, 8, 2, 21, "residual", True, None),
+    ("efla", 2, 8, 12, 4, 37, "residual", True, 10.0),
+    ("deltanet", 3, 4, 6, 2, 21, "gated", True, 10000.0),
 ]
 
 
-@pytest.mark.parametrize(("rule", "H", "K", "V", "W", "T", "join", "output_norm"), DELTA_SHAPES)
+@pytest.mark.parametrize(("rule", "H", "K", "V", "W", "T", "join", "output_norm", "rotary_base"), DELTA_SHAPES)
 @pytest.mark.parametrize("key_scale", [1e-4, 1.0, 1e4])
-def test_delta_block_matches_float64_loop(rule, H, K, V, W, T, join, output_norm, key_scale):
+def test_delta_block_matches_float64_loop(rule, H, K, V, W, T, join, output_norm, rotary_base, key_scale):
     """The training path (chunked torch kernel, chunk 16 so T crosses chunks) against the float64 loop, with
     resets at random positions (t = 0 and back to back included), K != V, key norms from 1e-4 to 1e4 (the key
-    projection scaled), every join, with and without the read norm, outputs, final state and gradients."""
+    projection scaled), every join, with and without the read norm and rotary positions (the state's position
+    counter at random values), outputs, final state and gradients."""
     torch.manual_seed(3)
     m = make_memory(rule, F_IN, d_model=16, n_heads=H, head_dim=K, value_dim=V, conv_size=W, backend="torch",
-                    chunk_size=16, join=join, output_norm=output_norm)
+                    chunk_size=16, join=join, output_norm=output_norm, rotary_base=rotary_base)
     with torch.no_grad():  # scale the key rows of the q/k/v projection: key norms follow
         m.qkv.weight[H * K : 2 * H * K] *= key_scale
         m.qkv.bias[H * K : 2 * H * K] *= key_scale
@@ -474,16 +493,18 @@ def test_delta_block_matches_float64_loop(rule, H, K, V, W, T, join, output_norm
     B = 3
     x, resets = _sequence(B, T, seed=7)
     state = _random_state(m, B)
+    if rotary_base is not None:  # positions part way into an episode (integers, as the block counts them)
+        state[:, H * K * V] = torch.tensor([0.0, 7.0, 1234.0])
     y, final = m(x, state, resets)
     m64 = copy.deepcopy(m).double()
     y_ref, final_ref = _delta_block_loop(m64, x, state, resets)
     # fp32 against fp64 over T steps; a key scale of 1e4 makes the projections' own fp32 rounding 1e4x larger
     tol = dict(atol=2e-5, rtol=2e-5) if key_scale <= 1 else dict(atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(y.double(), y_ref, **tol)
-    HKV = H * K * V
+    HKV = H * K * V + (rotary_base is not None)
     matrix, window = final[:, :HKV], final[:, HKV:]
     matrix_ref, window_ref = final_ref[:, :HKV], final_ref[:, HKV:]
-    torch.testing.assert_close(matrix.double(), matrix_ref, **tol)
+    torch.testing.assert_close(matrix.double(), matrix_ref, **tol)  # the position counter included
     # the window holds the normalised block inputs, whatever the key scale
     torch.testing.assert_close(window.double(), window_ref, atol=1e-5, rtol=1e-5)
     probe = torch.randn_like(y_ref)
@@ -947,3 +968,17 @@ def test_every_ablation_config_is_valid():
         assert unknown_keys(entry, str(path)) == [] and check_values(entry, {}) == [], path
         for memory in MEMORIES:
             assert kwargs_problems(entry, {}, "rlseq", memory, env, "popgym") == [], (path, memory)
+
+
+def test_rotary_positions_add_one_counter_to_the_state_and_bad_settings_are_refused():
+    plain, turned = make_memory("efla", F_IN), make_memory("efla", F_IN, rotary_base=100.0)
+    assert turned.state_shape[0] == plain.state_shape[0] + 1
+    state = turned.initial_state(2)
+    x = torch.randn(2, 5, F_IN)
+    _, final = turned(x, state, None)
+    assert turned.matrix_and_position(turned.state_parts(final)[0])[1].tolist() == [5.0, 5.0]
+    for bad in (1.0, 0.5, float("inf"), float("nan"), True):
+        with pytest.raises(ValueError, match="rotary_base must be a finite number > 1"):
+            make_memory("deltanet", F_IN, rotary_base=bad)
+    with pytest.raises(ValueError, match="head_dim must be even, got 5"):
+        make_memory("efla", F_IN, head_dim=5, rotary_base=100.0)

@@ -315,6 +315,7 @@ class _DeltaRuleMemory(Memory):
         output_norm: bool = True,
         backend: str | None = None,
         chunk_size: int | None = None,
+        rotary_base: float | None = None,
     ) -> None:
         super().__init__(in_features, d_model=d_model, conv_size=conv_size, join=join)
         if n_heads < 1:
@@ -331,6 +332,12 @@ class _DeltaRuleMemory(Memory):
         self.backend = backend
         self.chunk_size = chunk_size
         H, K, V = self.n_heads, self.head_dim, self.value_dim
+        if rotary_base is not None:
+            if isinstance(rotary_base, bool) or not (math.isfinite(rotary_base) and rotary_base > 1):
+                raise ValueError(f"rotary_base must be a finite number > 1 or None, got {rotary_base!r}")
+            if K % 2:
+                raise ValueError(f"rotary positions rotate pairs of key channels: head_dim must be even, got {K}")
+        self.rotary_base = None if rotary_base is None else float(rotary_base)
         self._split = (H * K, H * K, H * V)
         self.qkv = nn.Linear(self.d_model, sum(self._split))
         self.beta_proj = nn.Linear(self.d_model, H)
@@ -363,7 +370,39 @@ class _DeltaRuleMemory(Memory):
 
     @property
     def core_state_shape(self) -> tuple[int, ...]:
-        return (self.n_heads, self.head_dim, self.value_dim)
+        n = self.n_heads * self.head_dim * self.value_dim
+        return (self.n_heads, self.head_dim, self.value_dim) if self.rotary_base is None else (n + 1,)
+
+    def matrix_and_position(self, core_state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Views of a core state ``[B, *core_state_shape]``: the matrix ``[B, H, K, V]`` and, with rotary
+        positions, the position of the next step in its episode ``[B]`` (float, 0 after a reset; else None)."""
+        if self.rotary_base is None:
+            return core_state, None
+        B, n = core_state.shape[0], self.n_heads * self.head_dim * self.value_dim
+        return core_state[:, :n].view(B, self.n_heads, self.head_dim, self.value_dim), core_state[:, n]
+
+    def _positions(self, start: torch.Tensor, resets: torch.Tensor | None, T: int) -> torch.Tensor:
+        """Each step's position in its episode ``[B, T]``: ``start + t`` until the first reset, then the steps
+        since the last reset."""
+        t = torch.arange(T, device=start.device, dtype=torch.float32)
+        pos = start.float()[:, None] + t
+        if resets is None:
+            return pos
+        last = torch.where(resets, t.long(), -1).cummax(dim=1).values
+        return torch.where(last >= 0, t - last.float(), pos)
+
+    def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``x [..., H, K]`` turned by ``pos [...]``: channel i with channel i + K/2 by the angle pos·ω_i. A
+        rotation keeps every key's norm (EFLA's gate) and makes q·k depend on the distance between the steps."""
+        # RoFormer's frequencies base^(-2i/K), i < K/2: the fastest turns once per 2π steps, the slowest barely
+        # moves over an episode (content addressing), those between name "L steps back". The angles in float64:
+        # in float32, pos·ω is off by ~1e-4 rad at position 1e3 and by 1e-2 at 1e5
+        K = x.shape[-1]
+        freqs = self.rotary_base ** (-torch.arange(K // 2, device=x.device, dtype=torch.float64) / (K // 2))
+        angle = (pos.double()[..., None] * freqs)[..., None, :]  # [..., 1, K/2]
+        cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
+        a, b = x.chunk(2, dim=-1)
+        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
 
     # -- the parts that differ between EFLA and DeltaNet -------------------------------------------------
     def _keys(self, k_raw: torch.Tensor) -> torch.Tensor:
@@ -392,14 +431,26 @@ class _DeltaRuleMemory(Memory):
 
     def _core(self, u, core_state, resets, *, h):
         q, k, v, beta = self._heads(u, h)
-        o, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=core_state, resets=resets,
+        matrix, start = self.matrix_and_position(core_state)
+        if start is not None:
+            pos = self._positions(start, resets, u.shape[1])
+            q, k = self._rotate(q, pos), self._rotate(k, pos)
+        o, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=matrix, resets=resets,
                               backend=self.backend, chunk_size=self.chunk_size, check_beta=False)
+        if start is not None:
+            final = torch.cat([final.flatten(1), pos[:, -1:] + 1], dim=1)
         return self._read(o.to(u.dtype)), final
 
     def _core_step(self, u, core_state, resets, *, h):
         q, k, v, beta = self._heads(u, h)
-        o = step_rule(q, k, v, beta, core_state, rule=self.rule, resets=resets, backend=self.backend,
+        matrix, start = self.matrix_and_position(core_state)
+        if start is not None:
+            pos = start if resets is None else torch.where(resets, 0.0, start)
+            q, k = self._rotate(q, pos), self._rotate(k, pos)
+        o = step_rule(q, k, v, beta, matrix, rule=self.rule, resets=resets, backend=self.backend,
                       check_beta=False)
+        if start is not None:
+            start.copy_(pos + 1)
         return self._read(o.to(u.dtype))
 
     def _read(self, o: torch.Tensor) -> torch.Tensor:
@@ -414,13 +465,12 @@ class _DeltaRuleMemory(Memory):
         reached after the sequence (per-step states would cost a K-fold larger computation)."""
         B, T = x.shape[:2]
         resets = _check_resets(resets, (B, T), x.device)
-        matrix, window = self.state_parts(state)
+        core, window = self.state_parts(state)
         h, u, _ = self.front(x, window, resets)
         q, k, v, beta = self._heads(u, h)
         # 1 − (the transition's non-unit eigenvalue), from the rule's single definition in rlseq.kernels
         _, gate, _ = unit_key_scales(k.float(), beta.float(), self.rule)
-        _, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=matrix, resets=resets,
-                              backend=self.backend, chunk_size=self.chunk_size, check_beta=False)
+        final = self.matrix_and_position(self._core(u, core, resets, h=h)[1])[0]
         knorm = self._raw_heads(u)[1].float().norm(dim=-1)
         snorm = final.flatten(2).norm(dim=-1)
         return {
@@ -433,7 +483,7 @@ class _DeltaRuleMemory(Memory):
         }
 
     def _describe_bad(self, bad_core: torch.Tensor) -> str:
-        pairs = bad_core.flatten(2).any(-1).nonzero().tolist()  # (batch, head)
+        pairs = self.matrix_and_position(bad_core)[0].flatten(2).any(-1).nonzero().tolist()  # (batch, head)
         return f", (batch, head) pairs {_short([tuple(p) for p in pairs])}" if pairs else ""
 
     def extra_repr(self) -> str:
@@ -490,6 +540,11 @@ class EFLAMemory(_DeltaRuleMemory):
             heads, flash-linear-attention's ``o_norm``) before ``W_o`` (default True): the read keeps unit scale
             however large the state grows, and EFLA's seeds stay together (``docs/memory.md``). A model saved
             before this default carries no norm and loads without it (:func:`saved_without_read_norm`).
+        rotary_base: None (default): queries and keys as projected. A number b > 1: rotary positions (RoFormer):
+            each step's query and keys are turned by its position in the episode at the frequencies
+            ``b^(-2i/K)``, so that q·k depends on the distance between two steps and a query can address "L steps
+            back" beyond the window (``docs/memory.md``, supervised recall). The state then holds the next step's
+            position after the matrix: ``[B, H·K·V + 1 + (W-1)·d]`` (:meth:`matrix_and_position`).
         key_norm_cap: None (default): raw keys. A number c > 0: keys longer than c are scaled to length c, so the
             gate stays at most ``1 - e^{-c²}`` and β keeps control of the write (an option under test on the
             memory benchmark; ``docs/memory.md``, EFLA's seeds on RepeatFirstMedium).
