@@ -7,6 +7,7 @@ import json
 import math
 import os
 import signal
+import types
 from pathlib import Path
 
 import numpy as np
@@ -599,3 +600,19 @@ def test_a_stopped_grid_says_so_in_one_line_and_starts_nothing_more(tmp_path, si
         log = (r.folder(logdir) / "train.log").read_text()
         assert "stopped by SIGTERM: checkpoint step" in log and log.count(": stopping after this rollout") == 1, log
     assert not any(r.folder(logdir).exists() for r in runs[jobs:]), "a queued run started after the stop"
+
+
+def test_a_run_whose_worker_died_during_a_stop_is_stopped_not_failed():
+    """On a stop, an idle worker's exit breaks the process pool and every running future ends in
+    BrokenProcessPool, though its trainer saves its stop checkpoint: the run is to resume, not a failure."""
+    from concurrent.futures import Future
+    from concurrent.futures.process import BrokenProcessPool
+
+    run = M.BenchRun(T1, "none", 0, 1000)
+    bar = types.SimpleNamespace(write=lambda line: None)
+    for stopping, state in ((True, "stopped"), (False, "failed")):
+        fut: Future = Future()
+        fut.set_exception(BrokenProcessPool("A process in the process pool was terminated abruptly"))
+        answers: dict[str, list] = {"done": [], "failed": [], "stopped": []}
+        M._collect(fut, run, answers, set(), bar, stopping=stopping)
+        assert [a["name"] for a in answers[state]] == [run.name] and sum(map(len, answers.values())) == 1

@@ -505,10 +505,7 @@ def execute(runs: list[BenchRun], out: Path, logdir: Path, *, jobs: int, episode
             while pending:
                 done, pending = wait(pending, timeout=poll_s)
                 for fut in done:
-                    try:
-                        _collect(fut, futures[fut], answers, finished, bar)
-                    except Exception:  # noqa: BLE001  (a worker that died while stopping leaves its run to resume)
-                        pass
+                    _collect(fut, futures[fut], answers, finished, bar, stopping=True)
                 if len(stop) > 1:  # someone is done waiting for the stop checkpoints
                     _kill_tree(ctx.active_children())
                     break
@@ -533,12 +530,16 @@ def _kill_tree(workers: list[Any]) -> None:
 
 
 def _collect(fut: Any, run: BenchRun, answers: dict[str, list[dict[str, Any]]], finished: set[BenchRun],
-             bar: Any) -> None:
+             bar: Any, *, stopping: bool = False) -> None:
+    """Record a finished future's answer. ``stopping``: the grid is being stopped, and a worker that died meanwhile
+    leaves its run to resume: an idle worker's exit on the stop breaks the whole pool, whose running futures then
+    end in ``BrokenProcessPool`` while their trainers save their stop checkpoints."""
     try:
         answer = fut.result()
     except Exception as e:  # noqa: BLE001  (a worker process that died: that run failed, the others go on)
-        answer = {"name": run.name, "state": "failed", "reason": f"worker died: {type(e).__name__}: {e}",
-                  "log_tail": []}
+        answer = ({"name": run.name, "state": "stopped"} if stopping else
+                  {"name": run.name, "state": "failed", "reason": f"worker died: {type(e).__name__}: {e}",
+                   "log_tail": []})
     answers[answer["state"]].append(answer)
     if answer["state"] == "done":
         finished.add(run)
