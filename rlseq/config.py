@@ -163,7 +163,7 @@ MEMORY_VALUES: dict[str, Callable[[Any], Any]] = {
                      "chunk_size"), _POSITIVE),
     **dict.fromkeys(("query_norm", "output_norm", "allow_negative_eigenvalues", "bias"), _boolean),
     "beta_bias_init": _real(-MAX_SCALE), "forget_bias": _real(-MAX_SCALE), "dropout": _real(0, 1),
-    "key_norm_cap": _real(0, MAX_SCALE, above=True),
+    "key_norm_cap": _real(0, MAX_SCALE, above=True), "rotary_base": _real(1, MAX_SCALE, above=True),
 }
 
 

@@ -982,3 +982,10 @@ def test_rotary_positions_add_one_counter_to_the_state_and_bad_settings_are_refu
             make_memory("deltanet", F_IN, rotary_base=bad)
     with pytest.raises(ValueError, match="head_dim must be even, got 5"):
         make_memory("efla", F_IN, head_dim=5, rotary_base=100.0)
+    from rlseq.config import memory_kwargs_problems
+
+    assert memory_kwargs_problems({"deltanet": {"rotary_base": "1e4"}}, "f.yml") == []
+    assert memory_kwargs_problems({"efla": {"rotary_base": 1}}, "f.yml") == [
+        "memory_kwargs efla rotary_base 1 must be > 1 and <= 1e+12 (f.yml)"]
+    assert "unknown memory_kwargs key 'rotary_base' of gru" in memory_kwargs_problems(
+        {"gru": {"rotary_base": 100}}, "f.yml")[0]
