@@ -22,6 +22,9 @@ memory           state per sequence (flat, float32)              core
 ``"none"``       ``(W-1)·d`` (the window alone)                  nothing: ``y = LayerNorm(u)``
 ===============  ==============================================  ============================================
 
+With rotary positions (``rotary_base``, an option of the delta-rule cores) their state holds one float more after
+the matrix: the next step's position in its episode.
+
 The default widths are each memory's best of the same probe on the memory benchmark (the default and a wider
 core, equal effort for every memory; ``docs/memory.md`` has the numbers): EFLA 4 heads of ``d_model/4``, DeltaNet
 4 heads of ``d_model/2``, GRU and LSTM hidden ``2·d_model`` (256 at the default width, sb3-contrib's LSTM width).
@@ -429,15 +432,21 @@ class _DeltaRuleMemory(Memory):
             q = F.normalize(q, dim=-1, eps=1e-6)
         return q, self._keys(k), v, self._beta(self.beta_proj(h))
 
-    def _core(self, u, core_state, resets, *, h):
+    def _chunk(self, u, core_state, resets, *, h):
+        """The rule over a sequence: ``(o [B, T, H, V], final matrix [B, H, K, V], keys [B, T, H, K], β [B, T, H],
+        positions [B, T] or None)``; the keys are the rule's (rotated where rotary positions are on)."""
         q, k, v, beta = self._heads(u, h)
         matrix, start = self.matrix_and_position(core_state)
-        if start is not None:
-            pos = self._positions(start, resets, u.shape[1])
+        pos = None if start is None else self._positions(start, resets, u.shape[1])
+        if pos is not None:
             q, k = self._rotate(q, pos), self._rotate(k, pos)
         o, final = chunk_rule(q, k, v, beta, rule=self.rule, initial_state=matrix, resets=resets,
                               backend=self.backend, chunk_size=self.chunk_size, check_beta=False)
-        if start is not None:
+        return o, final, k, beta, pos
+
+    def _core(self, u, core_state, resets, *, h):
+        o, final, _, _, pos = self._chunk(u, core_state, resets, h=h)
+        if pos is not None:
             final = torch.cat([final.flatten(1), pos[:, -1:] + 1], dim=1)
         return self._read(o.to(u.dtype)), final
 
@@ -467,10 +476,9 @@ class _DeltaRuleMemory(Memory):
         resets = _check_resets(resets, (B, T), x.device)
         core, window = self.state_parts(state)
         h, u, _ = self.front(x, window, resets)
-        q, k, v, beta = self._heads(u, h)
+        _, final, k, beta, _ = self._chunk(u, core, resets, h=h)
         # 1 − (the transition's non-unit eigenvalue), from the rule's single definition in rlseq.kernels
         _, gate, _ = unit_key_scales(k.float(), beta.float(), self.rule)
-        final = self.matrix_and_position(self._core(u, core, resets, h=h)[1])[0]
         knorm = self._raw_heads(u)[1].float().norm(dim=-1)
         snorm = final.flatten(2).norm(dim=-1)
         return {
