@@ -165,6 +165,8 @@ MEMORY_VALUES: dict[str, Callable[[Any], Any]] = {
     "beta_bias_init": _real(-MAX_SCALE), "forget_bias": _real(-MAX_SCALE), "dropout": _real(0, 1),
     "key_norm_cap": _real(0, MAX_SCALE, above=True), "rotary_base": _real(1, MAX_SCALE, above=True),
 }
+# memory keywords whose null turns a part off although their default is a value
+NULLABLE_MEMORY_KEYWORDS = frozenset({"rotary_base"})
 
 
 def memory_kwargs_problems(memory_kwargs: dict, where: str) -> list[str]:
@@ -196,7 +198,7 @@ def memory_kwargs_problems(memory_kwargs: dict, where: str) -> list[str]:
                 problems.append(f"unknown memory_kwargs key {key!r} of {name} in {where}; "
                                 f"{_did_you_mean(key, valid)}valid keys of {name}: {', '.join(valid)}")
                 continue
-            if value is None and valid[key] is None:
+            if value is None and (valid[key] is None or key in NULLABLE_MEMORY_KEYWORDS):
                 continue
             try:
                 if key in MEMORY_VALUES:

@@ -103,11 +103,21 @@ def _load_checkpoint(latest: Path, cfg: dict[str, Any], args: argparse.Namespace
 
     from rlseq.checkpoint import set_rng_state
     from rlseq.policies.actor_critic import record_adopted_read_norms
+    from rlseq.policies.memory import SAVED_WITHOUT_ROTARY
 
     step = int(latest.name[len("step"):])
     env = make_env({**cfg, "normalize_reward": False}, seed=resumed_env_seed(cfg["seed"], step))
     env = _load_reward_statistics(latest, env)
-    model = _algo_class(cfg).load(latest / "model.zip", env=env, device=device)
+    try:
+        model = _algo_class(cfg).load(latest / "model.zip", env=env, device=device)
+    except RuntimeError as e:
+        if SAVED_WITHOUT_ROTARY not in str(e):
+            raise
+        env.close()
+        raise UsageError(f"--resume: {latest} was saved without rotary positions, before they became the delta-rule "
+                         "default, and this rlseq builds the run's memory with them; a run resumes with the "
+                         "settings it was trained with, so start a new run with another --tag (the checkpoint "
+                         "loads as it was trained with memory_kwargs rotary_base=None)") from None
     record_adopted_read_norms(model)  # RecurrentPPO's too: its next checkpoints load without the read norm
     try:
         _adopt_saved_speed_settings(cfg, model, args)

@@ -136,7 +136,9 @@ def test_interface_shapes(name):
     s = m.initial_state(B, "cpu")
     assert s.dtype == torch.float32 and s.shape[0] == B and not s.any()
     window = 3 * m.d_model  # (W - 1) * d at the default width 4: every memory's front end
-    expected = {"efla": 2 * 16 * 16, "deltanet": 2 * 16 * 8, "gru": 1 * 2 * 12, "lstm": 2 * 2 * 20, "none": 0}[name]
+    # the delta-rule cores' matrices, each with its rotary position
+    expected = {"efla": 2 * 16 * 16 + 1, "deltanet": 2 * 16 * 8 + 1, "gru": 1 * 2 * 12, "lstm": 2 * 2 * 20,
+                "none": 0}[name]
     assert tuple(s.shape[1:]) == (expected + window,)
     core, win = m.state_parts(s)
     assert core.shape[1:] == m.core_state_shape and win.shape == (B, 3, m.d_model)
@@ -173,8 +175,10 @@ def test_the_block_is_shared_and_the_cores_scale_with_its_width(d_model):
                         if n.startswith(SHARED)) for name in MEMORIES}
     assert len(set(shared.values())) == 1, shared
     assert _core_parameters(make_memory("none", 17, d_model=d_model)) == 0
-    assert make_memory("efla", 17, d_model=d_model).core_state_shape == (4, d_model // 4, d_model // 4)
-    assert make_memory("deltanet", 17, d_model=d_model).core_state_shape == (4, d_model // 2, d_model // 2)
+    for name, head in (("efla", d_model // 4), ("deltanet", d_model // 2)):
+        m = make_memory(name, 17, d_model=d_model)
+        matrix, position = m.matrix_and_position(m.state_parts(m.initial_state(2))[0])
+        assert (matrix.shape[1:], position.shape) == ((4, head, head), (2,))
     assert make_memory("gru", 17, d_model=d_model).core_state_shape == (1, 1, 2 * d_model)
     assert make_memory("lstm", 17, d_model=d_model).core_state_shape == (2, 1, 2 * d_model)
 
@@ -444,13 +448,14 @@ def _delta_block_loop(m64, x: torch.Tensor, state: torch.Tensor, resets: torch.T
     for t in range(T):
         matrix = matrix * (~resets[:, t]).double().view(B, 1, 1, 1)
         q_t, k_t = q[:, t], k[:, t]
-        if position is not None:  # the step's position in its episode turns channel i with channel i + K/2
-            position = torch.where(resets[:, t], 0.0, position)
-            omega = m64.rotary_base ** (-torch.arange(K // 2, dtype=torch.float64) / (K // 2))
+        if position is not None:  # the step's position in its episode turns channel i with channel i + n, n = K//2
+            position = torch.where(resets[:, t], 0.0, position)  # (an odd K's last channel stays as it is)
+            n = K // 2
+            omega = m64.rotary_base ** (-torch.arange(n, dtype=torch.float64) / max(n, 1))
             angle = (position[:, None] * omega)[:, None, :]
             c, s_ = angle.cos(), angle.sin()
-            q_t, k_t = [torch.cat([z[..., : K // 2] * c - z[..., K // 2 :] * s_,
-                                   z[..., : K // 2] * s_ + z[..., K // 2 :] * c], -1) for z in (q_t, k_t)]
+            q_t, k_t = [torch.cat([z[..., :n] * c - z[..., n : 2 * n] * s_,
+                                   z[..., :n] * s_ + z[..., n : 2 * n] * c, z[..., 2 * n :]], -1) for z in (q_t, k_t)]
             position = position + 1
         o, matrix = naive_step(q_t, k_t, v[:, t], beta[:, t], matrix, m64.rule)
         outs.append(o)
@@ -472,6 +477,7 @@ DELTA_SHAPES = [  # (rule, n_heads, head_dim, value_dim, conv_size, T, join, out
     ("deltanet", 2, 4, 8, 2, 21, "residual", True, None),
     ("efla", 2, 8, 12, 4, 37, "residual", True, 10.0),
     ("deltanet", 3, 4, 6, 2, 21, "gated", True, 10000.0),
+    ("efla", 2, 5, 6, 4, 23, "residual", True, 100.0),
 ]
 
 
@@ -970,9 +976,35 @@ def test_every_ablation_config_is_valid():
             assert kwargs_problems(entry, {}, "rlseq", memory, env, "popgym") == [], (path, memory)
 
 
+@pytest.mark.parametrize("rule", ["efla", "deltanet"])
+def test_a_state_saved_with_other_rotary_positions_is_refused_with_the_setting_to_load_it_by(rule):
+    """Rotary positions add no weights: without the saved frequencies, a state saved with them would load into
+    a memory without them (or with another base) silently, and read its memory differently."""
+    def memory(base):
+        torch.manual_seed(0)
+        return make_memory(rule, F_IN, d_model=16, rotary_base=base)
+
+    with_100, plain = memory(100.0), memory(None)
+    memory(100.0).load_state_dict(with_100.state_dict())  # the same setting loads
+    with pytest.raises(RuntimeError, match=r"saved without rotary positions .* rotary_base=100; load it with "
+                                           r"memory_kwargs rotary_base=None"):
+        memory(100.0).load_state_dict(plain.state_dict())
+    with pytest.raises(RuntimeError, match=r"saved with rotary positions \(rotary_base=100\) and this memory has "
+                                           r"none"):
+        memory(None).load_state_dict(with_100.state_dict())
+    with pytest.raises(RuntimeError, match=r"saved with rotary_base=100 and this memory has rotary_base=10000"):
+        memory(10000.0).load_state_dict(with_100.state_dict())
+    outer = torch.nn.Sequential(memory(10000.0))  # a memory inside a model: the names say where
+    with pytest.raises(RuntimeError, match=r"0\.rotary_freqs: the state was saved with rotary_base=100"):
+        outer.load_state_dict(torch.nn.Sequential(with_100).state_dict())
+    # a partial load (strict=False), as of a state that holds other modules' weights, is not checked
+    memory(10000.0).load_state_dict({}, strict=False)
+
+
 def test_rotary_positions_add_one_counter_to_the_state_and_bad_settings_are_refused():
-    plain, turned = make_memory("efla", F_IN), make_memory("efla", F_IN, rotary_base=100.0)
-    assert turned.state_shape[0] == plain.state_shape[0] + 1
+    plain, turned = make_memory("efla", F_IN, rotary_base=None), make_memory("efla", F_IN, rotary_base=100.0)
+    assert make_memory("efla", F_IN).rotary_base == make_memory("deltanet", F_IN).rotary_base == 10000.0
+    assert turned.state_shape[0] == plain.state_shape[0] + 1 and plain.core_state_shape == (4, 32, 32)
     state = turned.initial_state(2)
     x = torch.randn(2, 5, F_IN)
     _, final = turned(x, state, None)
@@ -980,11 +1012,9 @@ def test_rotary_positions_add_one_counter_to_the_state_and_bad_settings_are_refu
     for bad in (1.0, 0.5, float("inf"), float("nan"), True):
         with pytest.raises(ValueError, match="rotary_base must be a finite number > 1"):
             make_memory("deltanet", F_IN, rotary_base=bad)
-    with pytest.raises(ValueError, match="head_dim must be even, got 5"):
-        make_memory("efla", F_IN, head_dim=5, rotary_base=100.0)
     from rlseq.config import memory_kwargs_problems
 
-    assert memory_kwargs_problems({"deltanet": {"rotary_base": "1e4"}}, "f.yml") == []
+    assert memory_kwargs_problems({"deltanet": {"rotary_base": "1e4"}, "efla": {"rotary_base": None}}, "f.yml") == []
     assert memory_kwargs_problems({"efla": {"rotary_base": 1}}, "f.yml") == [
         "memory_kwargs efla rotary_base 1 must be > 1 and <= 1e+12 (f.yml)"]
     assert "unknown memory_kwargs key 'rotary_base' of gru" in memory_kwargs_problems(

@@ -228,6 +228,44 @@ def test_an_efla_run_saved_before_the_read_norm_default_resumes_as_it_was_traine
         assert all(sub.out_norm is None for sub in model.policy.modules() if hasattr(sub, "out_norm"))
 
 
+@pytest.mark.parametrize("algo", ["rlseq", "sb3-recurrent-ppo"])
+def test_a_run_saved_before_the_rotary_default_is_refused_at_resume_and_loads_as_it_was_trained(algo, tmp_path,
+                                                                                                  monkeypatch, capsys):
+    """Rotary positions add no weights, so a checkpoint saved without them would load into today's default
+    silently and read its memory differently: --resume refuses it in one line and leaves the folder as it was;
+    the model itself loads with the setting the message names."""
+    from sb3_contrib import RecurrentPPO
+    from stable_baselines3.common.save_util import load_from_zip_file
+
+    from rlseq.algos import MemoryPPO
+    from rlseq.policies.memory import _DeltaRuleMemory
+
+    argv = [*BASE[:3], "efla", "--algo", algo, *BASE[4:], "--logdir", str(tmp_path)]
+    with monkeypatch.context() as m:  # as rlseq built the delta-rule memories before rotary positions
+        m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "rotary_base", None)
+        train_main([*argv, "--total-steps", "32"])
+    folder = tmp_path / ENV / ("efla" if algo == "rlseq" else "sb3-efla") / "seed0"
+    (folder / "final_model.zip").unlink()
+    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ".lock"}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        train_main([*argv, "--total-steps", "48", "--resume"])
+    assert e.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "was saved without rotary positions" in errors[0], errors
+    assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ".lock"} == before
+    cls = MemoryPPO if algo == "rlseq" else RecurrentPPO
+    newest = folder / "checkpoints" / "step32" / "model.zip"
+    with pytest.raises(RuntimeError, match="saved without rotary positions .* load it with memory_kwargs "
+                                           "rotary_base=None"):
+        cls.load(newest, device="cpu")
+    kwargs = load_from_zip_file(newest, device="cpu", load_data=True)[0]["policy_kwargs"]
+    kwargs = {**kwargs, "memory_kwargs": {**(kwargs.get("memory_kwargs") or {}), "rotary_base": None}}
+    model = cls.load(newest, device="cpu", custom_objects={"policy_kwargs": kwargs})
+    assert model.num_timesteps == 32
+    assert all(sub.rotary_base is None for sub in model.policy.modules() if isinstance(sub, _DeltaRuleMemory))
+
+
 # --- 4. SIGINT and SIGTERM -----------------------------------------------------------------------------------
 
 

@@ -143,10 +143,11 @@ def test_packed_state_round_trip(name, kw):
 def test_recurrent_ppo_sizes_buffers_from_the_packed_state():
     model = RecurrentPPO(EflaMlpPolicy, _cue_env(2), n_steps=8, batch_size=8, policy_kwargs=dict(memory_kwargs=SMALL["efla"]))
     assert isinstance(model.policy.memory_actor, EFLAMemory) and isinstance(model.policy.memory_critic, EFLAMemory)
-    (n,) = model.policy.memory_actor.state_shape  # the 2 x 8 x 8 matrix and the front end's window [3, d_model]
-    assert n == 2 * 8 * 8 + 3 * 16
-    assert model.rollout_buffer.hidden_state_shape == (8, 1, 2, n // 2)
-    assert model._last_lstm_states.pi[0].shape == (1, 2, n // 2)
+    # the 2 x 8 x 8 matrix, its rotary position and the front end's window [3, d_model]: odd, one float of padding
+    (n,) = model.policy.memory_actor.state_shape
+    assert n == 2 * 8 * 8 + 1 + 3 * 16
+    assert model.rollout_buffer.hidden_state_shape == (8, 1, 2, (n + 1) // 2)
+    assert model._last_lstm_states.pi[0].shape == (1, 2, (n + 1) // 2)
     # no LSTM anywhere in the policy: the matrix memory replaces it
     assert not any(isinstance(m, torch.nn.LSTM) for m in model.policy.modules())
 
@@ -334,7 +335,8 @@ def test_cnn_policies_on_procgen(policy):
     obs = env.reset()
     actions, state = model.predict(obs, deterministic=True)
     d = model.policy.memory_actor.d_model
-    assert actions.shape == (2,) and state[0].shape == (1, 2, (2 * 16 * 16 + 3 * d) // 2)  # matrix + window
+    # the matrix, its rotary position and the window, in h and c (one float of padding: the sum is odd)
+    assert actions.shape == (2,) and state[0].shape == (1, 2, (2 * 16 * 16 + 1 + 3 * d + 1) // 2)
     env.close()
 
 

@@ -15,15 +15,17 @@ removes the window (a per-channel affine map) for every memory alike.
 ===============  ==============================================  ============================================
 memory           state per sequence (flat, float32)              core
 ===============  ==============================================  ============================================
-``"efla"``       ``H·K·V + (W-1)·d`` (matrix, then the window)   silu(W_qkv u) → EFLA (raw keys) → RMSNorm → W_o
-``"deltanet"``   same                                            silu(W_qkv u) → DeltaNet (unit keys) → RMSNorm → W_o
+``"efla"``       ``H·K·V + 1 + (W-1)·d`` (matrix, position,      rotary(silu(W_qkv u)) → EFLA (raw keys) → RMSNorm
+                 then the window)                                → W_o
+``"deltanet"``   same                                            the same with DeltaNet (unit keys)
 ``"gru"``        ``L·hidden + (W-1)·d``                          ``nn.GRU`` → W_o
 ``"lstm"``       ``2·L·hidden + (W-1)·d`` (h, then c)             ``nn.LSTM`` → W_o
 ``"none"``       ``(W-1)·d`` (the window alone)                  nothing: ``y = LayerNorm(u)``
 ===============  ==============================================  ============================================
 
-With rotary positions (``rotary_base``, an option of the delta-rule cores) their state holds one float more after
-the matrix: the next step's position in its episode.
+The delta-rule cores turn their queries and keys by each step's position in its episode (rotary positions,
+``rotary_base``), so that a query can address "L steps back" beyond the window; their state holds that position
+(the next step's) after the matrix. ``rotary_base=None`` turns them off, and the position with them.
 
 The default widths are each memory's best of the same probe on the memory benchmark (the default and a wider
 core, equal effort for every memory; ``docs/memory.md`` has the numbers): EFLA 4 heads of ``d_model/4``, DeltaNet
@@ -79,12 +81,18 @@ RECURRENT_INITS = ("uniform", "orthogonal")
 JOINS = ("residual", "gated", "prenorm", "read")
 DEFAULT_D_MODEL = 128
 DEFAULT_CONV_SIZE = 4
+# the delta-rule cores' rotary positions: RoFormer's base. Base 100 reaches further on the horizon tasks but
+# spins the slow channels that content addressing needs (RepeatFirstMedium, docs/memory.md)
+DEFAULT_ROTARY_BASE = 10000.0
+# how a load refuses a state saved before rotary positions became the default (callers match it: rlseq.resume)
+SAVED_WITHOUT_ROTARY = "the state was saved without rotary positions"
 OUTPUT_NORM_EPS = 1e-5  # the delta-rule cores' read norm (flash-linear-attention's norm_eps)
 
 __all__ = [
     "ActorCriticMemory",
     "DEFAULT_CONV_SIZE",
     "DEFAULT_D_MODEL",
+    "DEFAULT_ROTARY_BASE",
     "MEMORIES",
     "DeltaNetMemory",
     "EFLAMemory",
@@ -318,7 +326,7 @@ class _DeltaRuleMemory(Memory):
         output_norm: bool = True,
         backend: str | None = None,
         chunk_size: int | None = None,
-        rotary_base: float | None = None,
+        rotary_base: float | None = DEFAULT_ROTARY_BASE,
     ) -> None:
         super().__init__(in_features, d_model=d_model, conv_size=conv_size, join=join)
         if n_heads < 1:
@@ -338,8 +346,13 @@ class _DeltaRuleMemory(Memory):
         if rotary_base is not None:
             if isinstance(rotary_base, bool) or not (math.isfinite(rotary_base) and rotary_base > 1):
                 raise ValueError(f"rotary_base must be a finite number > 1 or None, got {rotary_base!r}")
-            if K % 2:
-                raise ValueError(f"rotary positions rotate pairs of key channels: head_dim must be even, got {K}")
+            # RoFormer's frequencies base^(-2i/K), i < K/2: the fastest pair turns once per 2π steps, the slowest
+            # barely moves over an episode (content addressing), those between name "L steps back". A saved
+            # buffer, so that a state saved without rotary positions or with another base is refused at load
+            # (_load_from_state_dict) instead of loading into a model that reads its memory differently
+            half = K // 2
+            self.register_buffer("rotary_freqs", float(rotary_base) ** (
+                -torch.arange(half, dtype=torch.float64) / max(half, 1)))
         self.rotary_base = None if rotary_base is None else float(rotary_base)
         self._split = (H * K, H * K, H * V)
         self.qkv = nn.Linear(self.d_model, sum(self._split))
@@ -395,17 +408,41 @@ class _DeltaRuleMemory(Memory):
         return torch.where(last >= 0, t - last.float(), pos)
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """``x [..., H, K]`` turned by ``pos [...]``: channel i with channel i + K/2 by the angle pos·ω_i. A
-        rotation keeps every key's norm (EFLA's gate) and makes q·k depend on the distance between the steps."""
-        # RoFormer's frequencies base^(-2i/K), i < K/2: the fastest turns once per 2π steps, the slowest barely
-        # moves over an episode (content addressing), those between name "L steps back". The angles in float64:
-        # in float32, pos·ω is off by ~1e-4 rad at position 1e3 and by 1e-2 at 1e5
-        K = x.shape[-1]
-        freqs = self.rotary_base ** (-torch.arange(K // 2, device=x.device, dtype=torch.float64) / (K // 2))
-        angle = (pos.double()[..., None] * freqs)[..., None, :]  # [..., 1, K/2]
+        """``x [..., H, K]`` turned by ``pos [...]``: channel i with channel i + ⌊K/2⌋ by the angle pos·ω_i (an
+        odd K's last channel is left as it is). A rotation keeps every key's norm (EFLA's gate) and makes q·k
+        depend on the distance between the steps."""
+        # the angles in float64: in float32, pos·ω is off by ~1e-4 rad at position 1e3 and by 1e-2 at 1e5
+        half = x.shape[-1] // 2
+        angle = (pos.double()[..., None] * self.rotary_freqs.double())[..., None, :]  # [..., 1, K/2]
         cos, sin = angle.cos().to(x.dtype), angle.sin().to(x.dtype)
-        a, b = x.chunk(2, dim=-1)
-        return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+        a, b, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+        return torch.cat([a * cos - b * sin, a * sin + b * cos, rest], dim=-1)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # a state that holds this memory's weights but other rotary positions: refused with the setting to load
+        # it by, since its weights would load without complaint into a memory that reads its state differently
+        if strict and f"{prefix}out_proj.weight" in state_dict:
+            saved = state_dict.get(f"{prefix}rotary_freqs")
+            if self.rotary_base is None and saved is not None:
+                error_msgs.append(f"{prefix}rotary_freqs: the state was saved with rotary positions "
+                                  f"(rotary_base={_base_of(saved, self.head_dim)}) and this memory has none; load it "
+                                  "with that memory_kwargs rotary_base")
+                return
+            if self.rotary_base is not None and saved is None:
+                error_msgs.append(f"{prefix}: {SAVED_WITHOUT_ROTARY} (before they became "
+                                  f"the delta-rule default, or with rotary_base=None) and this memory has "
+                                  f"rotary_base={self.rotary_base:g}; load it with memory_kwargs rotary_base=None")
+                return
+            if saved is not None and (saved.shape != self.rotary_freqs.shape
+                                      or not torch.allclose(saved.double().cpu(), self.rotary_freqs.cpu(),
+                                                            rtol=1e-12, atol=0.0)):
+                error_msgs.append(f"{prefix}rotary_freqs: the state was saved with rotary_base="
+                                  f"{_base_of(saved, self.head_dim)} and this memory has rotary_base="
+                                  f"{self.rotary_base:g}; load it with the saved memory_kwargs rotary_base")
+                return
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
 
     # -- the parts that differ between EFLA and DeltaNet -------------------------------------------------
     def _keys(self, k_raw: torch.Tensor) -> torch.Tensor:
@@ -507,6 +544,7 @@ class EFLAMemory(_DeltaRuleMemory):
     Per step t, with ``u = LayerNorm(conv_W(LayerNorm(W_in x)))`` the shared front end::
 
         q, k, v = silu(W_qkv u)                  (per head)
+        q, k    = R(p_t) q, R(p_t) k             (rotary positions: p_t the step's position in its episode)
         β       = sigmoid(w_β · h + b_β)         (per head, ∈ (0, 1); h before the convolution, as fla's layers)
         S_t     = EFLA(S_{t-1}; k, v, β)          (exact rank-1 ODE step, rlseq/kernels/rules.py)
         o       = S_tᵀ q̂                         (q̂ = q/‖q‖ when query_norm, else q)
@@ -528,8 +566,13 @@ class EFLAMemory(_DeltaRuleMemory):
       them in the same regime (``memory/gate_mean`` is logged from step 0).
     - **Query normalisation (default on)**: L2 per head, no extra ``1/√K`` scale (the output projection learns
       it), so reads stay bounded whatever the input scale.
-    - **State** ``[B, H·K·V + (W-1)·d]`` float32; :meth:`state_parts` gives the matrix ``[B, H, K, V]`` and the
-      window ``[B, W-1, d]`` as views.
+    - **Rotary positions (default on).** Without them every key and query is a function of the last W inputs, so
+      no query can name "L steps back" for L ≥ W: the delta rule recalled nothing beyond the window that ``none``
+      did not. Turned by position, q·k depends on the distance between the steps; a rotation keeps each key's
+      norm, so EFLA's gate is unchanged. Under PPO they lift lags 8, 16 and 32 from the ``none`` level and
+      cost nothing on RepeatFirstMedium (``docs/memory.md``).
+    - **State** ``[B, H·K·V + 1 + (W-1)·d]`` float32; :meth:`state_parts` gives the core's state and the window
+      ``[B, W-1, d]`` as views, :meth:`matrix_and_position` the matrix ``[B, H, K, V]`` and the position.
     - Defaults ``n_heads=4``, ``head_dim = value_dim = d_model / n_heads`` (32 at the default width 128):
       4·32·32 = 4096 floats of matrix state per sequence. (Chosen over heads of 64 on RepeatFirstMedium under an
       earlier critic; ``docs/memory.md`` has the probe and says which choices have not been probed again.)
@@ -548,11 +591,13 @@ class EFLAMemory(_DeltaRuleMemory):
             heads, flash-linear-attention's ``o_norm``) before ``W_o`` (default True): the read keeps unit scale
             however large the state grows, and EFLA's seeds stay together (``docs/memory.md``). A model saved
             before this default carries no norm and loads without it (:func:`saved_without_read_norm`).
-        rotary_base: None (default): queries and keys as projected. A number b > 1: rotary positions (RoFormer):
-            each step's query and keys are turned by its position in the episode at the frequencies
-            ``b^(-2i/K)``, so that q·k depends on the distance between two steps and a query can address "L steps
-            back" beyond the window (``docs/memory.md``, supervised recall). The state then holds the next step's
-            position after the matrix: ``[B, H·K·V + 1 + (W-1)·d]`` (:meth:`matrix_and_position`).
+        rotary_base: rotary positions (RoFormer), default :data:`DEFAULT_ROTARY_BASE` (10000): each step's query
+            and keys are turned by its position in the episode at the frequencies ``b^(-2i/K)``, so that q·k
+            depends on the distance between two steps and a query can address "L steps back" beyond the window
+            (``docs/memory.md``: supervised recall, and the horizon tasks under PPO). The state holds the next
+            step's position after the matrix: ``[B, H·K·V + 1 + (W-1)·d]`` (:meth:`matrix_and_position`). None:
+            queries and keys as projected and no position in the state. A state saved with another setting is
+            refused at load with the setting to load it by (models saved before this default: ``None``).
         key_norm_cap: None (default): raw keys. A number c > 0: keys longer than c are scaled to length c, so the
             gate stays at most ``1 - e^{-c²}`` and β keeps control of the write (an option under test on the
             memory benchmark; ``docs/memory.md``, EFLA's seeds on RepeatFirstMedium).
@@ -578,6 +623,14 @@ class EFLAMemory(_DeltaRuleMemory):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + (f", key_norm_cap={self.key_norm_cap}" if self.key_norm_cap is not None else "")
+
+
+def _base_of(freqs: torch.Tensor, head_dim: int) -> str:
+    """The rotary base that made ``freqs`` (``base^(-i/⌊K/2⌋)``), for error messages."""
+    half = head_dim // 2
+    if freqs.numel() < 2 or half < 2:
+        return "unknown"
+    return f"{float(freqs[1].double()) ** -half:g}"
 
 
 class DeltaNetMemory(_DeltaRuleMemory):
