@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -44,6 +45,27 @@ def evaluation_levels(env_kwargs: dict, start_level: int | None) -> dict:
     if first >= LEVEL_SEED_END:
         raise ValueError(f"no level seeds are left above {first} (procgen's seeds end at {LEVEL_SEED_END})")
     return {"start_level": first, "num_levels": LEVEL_SEED_END - first, "held_out": True}
+
+
+def load_as_trained(cls: type, path: Path, device: str, notes: list[str]) -> Any:
+    """``cls.load(path)``, or, for a model saved before rotary positions became the delta-rule default (which a
+    plain load refuses), the same without them, as it was trained, with a line in ``notes`` saying so. Only for
+    playing a model: a resumed run is refused instead (:mod:`rlseq.resume`), since it would go on training with
+    other settings than its config's."""
+    from stable_baselines3.common.save_util import load_from_zip_file
+
+    from rlseq.policies.memory import SAVED_WITHOUT_ROTARY
+
+    try:
+        return cls.load(path, device=device)
+    except RuntimeError as e:
+        if SAVED_WITHOUT_ROTARY not in str(e):
+            raise
+    kwargs = load_from_zip_file(path, device=device, load_data=True)[0]["policy_kwargs"]
+    kwargs = {**kwargs, "memory_kwargs": {**(kwargs.get("memory_kwargs") or {}), "rotary_base": None}}
+    notes.append(f"{path.name} was saved before rotary positions became the delta-rule default: played without "
+                 "them, as it was trained (memory_kwargs rotary_base=None)")
+    return cls.load(path, device=device, custom_objects={"policy_kwargs": kwargs})
 
 
 def find_model(run_dir: Path, notes: list[str] | None = None) -> Path:
@@ -98,8 +120,9 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
     """Play ``episodes`` episodes on held-out levels (procgen, see :func:`evaluation_levels`) or new env seeds
     (gymnasium envs, from ``EVAL_SEED_OFFSET + seed``); returns mean/std/min/max of the unscaled return, and
     ``start_level``, ``num_levels``, ``held_out`` and ``level_seeds`` (procgen) or ``first_seed`` (gymnasium), and
-    ``model``, the file played (relative to ``run_dir``: ``final_model.zip`` or a checkpoint's model), and
-    ``skipped``, why newer models were passed over."""
+    ``model``, the file played (relative to ``run_dir``: ``final_model.zip`` or a checkpoint's model),
+    ``skipped``, why newer models were passed over, and ``notes``, how the model was loaded where that differs from
+    today's defaults (:func:`load_as_trained`)."""
     from tqdm.auto import tqdm
 
     from rlseq.config import device_problems
@@ -125,7 +148,8 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
         seed += EVAL_SEED_OFFSET
         where = {"first_seed": seed}
     venv = make_env({**cfg, "env_kwargs": env_kwargs, "n_envs": n_envs}, seed=seed, training=False)
-    model = _algo_class(cfg).load(model_path, device=device)
+    notes: list[str] = []
+    model = load_as_trained(_algo_class(cfg), model_path, device, notes)
     obs = venv.reset()
     state, starts = None, np.ones(n_envs, dtype=bool)
     returns: list[float] = []
@@ -148,7 +172,7 @@ def evaluate(run_dir: Path, episodes: int, *, n_envs: int = 16, deterministic: b
     r = np.asarray(returns)
     return {"episodes": len(r), "mean": float(r.mean()), "std": float(r.std(ddof=1)) if len(r) > 1 else float("nan"),
             "min": float(r.min()), "max": float(r.max()), "model": str(model_path.relative_to(run_dir)), "skipped": skipped,
-            **where,
+            "notes": notes, **where,
             **({"level_seeds": levels} if levels else {})}
 
 
@@ -173,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
               if res["episodes"] > 1 else " (1 episode; ")
     for note in res["skipped"]:
         print(f"warning: {note}", file=sys.stderr)
+    for note in res["notes"]:
+        print(f"note: {note}", file=sys.stderr)
     why = "the newer models are unusable (see the warnings)" if res["skipped"] else "the run has no final_model.zip"
     model = "" if res["model"] == "final_model.zip" else \
         f"; model {res['model']}: {why}, this is its newest intact checkpoint"

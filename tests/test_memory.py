@@ -997,8 +997,30 @@ def test_a_state_saved_with_other_rotary_positions_is_refused_with_the_setting_t
     outer = torch.nn.Sequential(memory(10000.0))  # a memory inside a model: the names say where
     with pytest.raises(RuntimeError, match=r"0\.rotary_freqs: the state was saved with rotary_base=100"):
         outer.load_state_dict(torch.nn.Sequential(with_100).state_dict())
-    # a partial load (strict=False), as of a state that holds other modules' weights, is not checked
+    # a state that does not hold the memory's weights (a partial load of other modules) is not checked
     memory(10000.0).load_state_dict({}, strict=False)
+    # float32 rounding of the saved frequencies is the same base
+    memory(100.0).load_state_dict({k: v.float() for k, v in with_100.state_dict().items()})
+
+
+@pytest.mark.parametrize("rule", ["efla", "deltanet"])
+def test_a_state_of_the_rotary_option_loads_where_its_settings_name_the_base(rule):
+    """Before rotary positions were the default they were an option whose frequencies were not saved: a state
+    without them loads where the saved settings name ``rotary_base`` (it was trained with it), and is refused
+    where they do not (it was trained without)."""
+    from rlseq.policies.memory import with_rotary_freqs_of_option_saves
+
+    torch.manual_seed(0)
+    trained = make_memory(rule, F_IN, d_model=16, rotary_base=100.0)
+    option_save = {k: v for k, v in trained.state_dict().items() if k != "rotary_freqs"}
+    fresh = make_memory(rule, F_IN, d_model=16, rotary_base=100.0)
+    fresh.load_state_dict(with_rotary_freqs_of_option_saves(fresh, option_save, {"rotary_base": 100.0}))
+    x = torch.randn(2, 9, F_IN)
+    torch.testing.assert_close(fresh(x, fresh.initial_state(2), None), trained(x, trained.initial_state(2), None))
+    unnamed = with_rotary_freqs_of_option_saves(fresh, option_save, {"n_heads": 4})
+    assert unnamed is option_save
+    with pytest.raises(RuntimeError, match="saved without rotary positions"):
+        fresh.load_state_dict(unnamed)
 
 
 def test_rotary_positions_add_one_counter_to_the_state_and_bad_settings_are_refused():

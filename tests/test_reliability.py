@@ -264,6 +264,13 @@ def test_a_run_saved_before_the_rotary_default_is_refused_at_resume_and_loads_as
     model = cls.load(newest, device="cpu", custom_objects={"policy_kwargs": kwargs})
     assert model.num_timesteps == 32
     assert all(sub.rotary_base is None for sub in model.policy.modules() if isinstance(sub, _DeltaRuleMemory))
+    # playing it is safe: rlseq.evaluate loads it as it was trained and says so
+    from rlseq.evaluate import evaluate
+
+    played = evaluate(folder, 2, n_envs=2, device="cpu", progress=False)
+    assert played["model"] == "checkpoints/step32/model.zip" and played["notes"] == [
+        "model.zip was saved before rotary positions became the delta-rule default: played without them, as it "
+        "was trained (memory_kwargs rotary_base=None)"]
 
 
 # --- 4. SIGINT and SIGTERM -----------------------------------------------------------------------------------

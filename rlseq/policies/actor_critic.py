@@ -30,7 +30,8 @@ from stable_baselines3.common.type_aliases import PyTorchObs, Schedule
 from torch import nn
 from torch.distributions import Bernoulli, Categorical, Normal
 
-from rlseq.policies.memory import ActorCriticMemory, Memory, make_memory, saved_without_read_norm
+from rlseq.policies.memory import (ActorCriticMemory, Memory, make_memory, saved_without_read_norm,
+                                   with_rotary_freqs_of_option_saves)
 
 
 def default_features_extractor(observation_space: spaces.Space) -> type[BaseFeaturesExtractor]:
@@ -381,6 +382,7 @@ class MemoryPPOPolicy(BasePolicy):
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False):
         """``nn.Module.load_state_dict`` inside :func:`adopting_saved_read_norms` (models saved before the read
         norm became the delta-rule default load as they were trained)."""
+        state_dict = with_rotary_freqs_of_option_saves(self, state_dict, self.memory_kwargs)
         with adopting_saved_read_norms(self, state_dict, strict):
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
 

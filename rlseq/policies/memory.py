@@ -105,6 +105,7 @@ __all__ = [
     "make_memory",
     "memory_class",
     "saved_without_read_norm",
+    "with_rotary_freqs_of_option_saves",
 ]
 
 
@@ -346,7 +347,7 @@ class _DeltaRuleMemory(Memory):
         if rotary_base is not None:
             if isinstance(rotary_base, bool) or not (math.isfinite(rotary_base) and rotary_base > 1):
                 raise ValueError(f"rotary_base must be a finite number > 1 or None, got {rotary_base!r}")
-            # RoFormer's frequencies base^(-2i/K), i < K/2: the fastest pair turns once per 2π steps, the slowest
+            # RoFormer's frequencies base^(-i/n), i < n = K//2 (base^(-2i/K) for an even K): the fastest pair turns once per 2π steps, the slowest
             # barely moves over an episode (content addressing), those between name "L steps back". A saved
             # buffer, so that a state saved without rotary positions or with another base is refused at load
             # (_load_from_state_dict) instead of loading into a model that reads its memory differently
@@ -421,25 +422,28 @@ class _DeltaRuleMemory(Memory):
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
         # a state that holds this memory's weights but other rotary positions: refused with the setting to load
-        # it by, since its weights would load without complaint into a memory that reads its state differently
-        if strict and f"{prefix}out_proj.weight" in state_dict:
+        # it by, since its weights would load without complaint into a memory that reads its state differently.
+        # (Module.load_state_dict passes strict=True here whatever its caller asked: a state without this
+        # memory's weights is what a partial load leaves unchecked)
+        if f"{prefix}out_proj.weight" in state_dict:
             saved = state_dict.get(f"{prefix}rotary_freqs")
             if self.rotary_base is None and saved is not None:
                 error_msgs.append(f"{prefix}rotary_freqs: the state was saved with rotary positions "
-                                  f"(rotary_base={_base_of(saved, self.head_dim)}) and this memory has none; load it "
-                                  "with that memory_kwargs rotary_base")
+                                  f"(rotary_base={_base_of(saved)}) and this memory has none; load it with that "
+                                  "memory_kwargs rotary_base")
                 return
             if self.rotary_base is not None and saved is None:
-                error_msgs.append(f"{prefix}: {SAVED_WITHOUT_ROTARY} (before they became "
+                error_msgs.append(f"{prefix.rstrip('.') or type(self).__name__}: {SAVED_WITHOUT_ROTARY} (before they became "
                                   f"the delta-rule default, or with rotary_base=None) and this memory has "
                                   f"rotary_base={self.rotary_base:g}; load it with memory_kwargs rotary_base=None")
                 return
-            if saved is not None and (saved.shape != self.rotary_freqs.shape
-                                      or not torch.allclose(saved.double().cpu(), self.rotary_freqs.cpu(),
-                                                            rtol=1e-12, atol=0.0)):
-                error_msgs.append(f"{prefix}rotary_freqs: the state was saved with rotary_base="
-                                  f"{_base_of(saved, self.head_dim)} and this memory has rotary_base="
-                                  f"{self.rotary_base:g}; load it with the saved memory_kwargs rotary_base")
+            # float32 rounding allowed (a state converted on its way); bases apart by more differ far more
+            # (another head size: the weights' own size mismatches say so, below)
+            if saved is not None and saved.shape == self.rotary_freqs.shape and not torch.allclose(
+                    saved.double().cpu(), self.rotary_freqs.double().cpu(), rtol=1e-6, atol=0.0):
+                error_msgs.append(f"{prefix}rotary_freqs: the state was saved with rotary_base={_base_of(saved)} "
+                                  f"and this memory has rotary_base={self.rotary_base:g}; load it with the saved "
+                                  "memory_kwargs rotary_base")
                 return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
@@ -592,12 +596,15 @@ class EFLAMemory(_DeltaRuleMemory):
             however large the state grows, and EFLA's seeds stay together (``docs/memory.md``). A model saved
             before this default carries no norm and loads without it (:func:`saved_without_read_norm`).
         rotary_base: rotary positions (RoFormer), default :data:`DEFAULT_ROTARY_BASE` (10000): each step's query
-            and keys are turned by its position in the episode at the frequencies ``b^(-2i/K)``, so that q·k
-            depends on the distance between two steps and a query can address "L steps back" beyond the window
+            and keys are turned by its position in the episode at the frequencies ``b^(-2i/K)``
+            (``b^(-i/⌊K/2⌋)`` for an odd K, whose last channel stays as it is), so that q·k depends on the
+            distance between two steps and a query can address "L steps back" beyond the window
             (``docs/memory.md``: supervised recall, and the horizon tasks under PPO). The state holds the next
             step's position after the matrix: ``[B, H·K·V + 1 + (W-1)·d]`` (:meth:`matrix_and_position`). None:
             queries and keys as projected and no position in the state. A state saved with another setting is
-            refused at load with the setting to load it by (models saved before this default: ``None``).
+            refused at load with the setting to load it by: a model saved before this default without the keyword
+            was trained without them (``None``); one whose settings name it loads with it
+            (:func:`with_rotary_freqs_of_option_saves`).
         key_norm_cap: None (default): raw keys. A number c > 0: keys longer than c are scaled to length c, so the
             gate stays at most ``1 - e^{-c²}`` and β keeps control of the write (an option under test on the
             memory benchmark; ``docs/memory.md``, EFLA's seeds on RepeatFirstMedium).
@@ -625,12 +632,30 @@ class EFLAMemory(_DeltaRuleMemory):
         return super().extra_repr() + (f", key_norm_cap={self.key_norm_cap}" if self.key_norm_cap is not None else "")
 
 
-def _base_of(freqs: torch.Tensor, head_dim: int) -> str:
-    """The rotary base that made ``freqs`` (``base^(-i/⌊K/2⌋)``), for error messages."""
-    half = head_dim // 2
-    if freqs.numel() < 2 or half < 2:
+def _base_of(freqs: torch.Tensor) -> str:
+    """The rotary base that made ``freqs`` (``base^(-i/n)``, i < n = ⌊K/2⌋), for error messages."""
+    half = freqs.numel()
+    if half < 2:  # one pair turns at frequency 1 whatever the base
         return "unknown"
     return f"{float(freqs[1].double()) ** -half:g}"
+
+
+def with_rotary_freqs_of_option_saves(module: nn.Module, state_dict: Mapping[str, Any],
+                                      memory_kwargs: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state_dict`` with the rotary frequencies of ``module``'s delta-rule memories added where it holds their
+    weights and no frequencies although ``memory_kwargs`` (the saved model's) name a ``rotary_base``: a model
+    trained while rotary positions were an option, before the frequencies were saved. Its weights were trained
+    with them, so it loads with them; a state without them whose settings do not name the keyword was trained
+    without them and is still refused (:meth:`_DeltaRuleMemory._load_from_state_dict`)."""
+    if memory_kwargs.get("rotary_base") is None:
+        return state_dict
+    added = {}
+    for name, sub in module.named_modules():
+        prefix = f"{name}." if name else ""
+        if (isinstance(sub, _DeltaRuleMemory) and sub.rotary_base is not None
+                and f"{prefix}out_proj.weight" in state_dict and f"{prefix}rotary_freqs" not in state_dict):
+            added[f"{prefix}rotary_freqs"] = sub.rotary_freqs
+    return {**state_dict, **added} if added else state_dict
 
 
 class DeltaNetMemory(_DeltaRuleMemory):

@@ -13,7 +13,7 @@ How the memory fits into RecurrentPPO:
 
 - **State packing.** RecurrentPPO keeps LSTM-shaped ``(h, c)`` pairs ``[num_layers, n_envs, hidden_size]`` for
   actor and critic, sized from ``policy.lstm_actor.num_layers / hidden_size``. A memory state of ``n`` floats per
-  env (EFLA ``H·K·V`` plus the convolution window) is flattened and split in two halves: the first half in the h slot, the second in the
+  env (EFLA ``H·K·V``, its rotary position and the convolution window) is flattened and split in two halves: the first half in the h slot, the second in the
   c slot (``num_layers = 1``, ``hidden_size = ceil(n / 2)``), so both slots carry state and none is wasted.
 - **Training is one kernel call per minibatch.** ``_process_sequence`` (a Python loop over time steps in
   sb3-contrib whenever a minibatch contains an episode start) is overridden: the minibatch's padded sequences
@@ -45,7 +45,7 @@ from torch import nn
 
 from rlseq.policies.actor_critic import adopting_saved_read_norms
 from rlseq.policies.extractors import ImpalaCNN, ImpalaCombinedExtractor
-from rlseq.policies.memory import Memory, make_memory
+from rlseq.policies.memory import Memory, make_memory, with_rotary_freqs_of_option_saves
 
 __all__ = [
     "DeltaNetCnnPolicy",
@@ -138,7 +138,7 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
     **Buffer memory cost in RecurrentPPO.** ``RecurrentRolloutBuffer`` stores the actor's AND the critic's state
     (h and c) for EVERY step of every env, as float32 NumPy arrays, whether the critic has a memory or not:
     ``2 · n`` floats per env-step for a state of ``n`` floats. EFLA's defaults (4 heads × 32 × 32 and the
-    convolution window, n = 4,480): 35 KiB per env-step, i.e. 560 MiB for 64 envs × 256 steps, and ``get()`` makes
+    convolution window, n = 4,481, padded to 4,482): 35 KiB per env-step, i.e. 560 MiB for 64 envs × 256 steps, and ``get()`` makes
     a flattened copy of the same size again (DeltaNet's 4 heads × 64 × 64: 131 KiB per env-step; the default LSTM,
     hidden 256: 7 KiB). rlseq's own PPO (``rlseq.algos.MemoryPPO``) stores ONE state per env per
     rollout and trains on whole rollouts; prefer it for large runs.
@@ -277,6 +277,7 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
         (models saved before the read norm became the delta-rule default load as they were trained; sb3-contrib's
         ``RecurrentPPO`` keeps ``output_norm`` out of its ``policy_kwargs``, so such a model warns at every load
         until :func:`~rlseq.policies.actor_critic.record_adopted_read_norms` is called before it is saved)."""
+        state_dict = with_rotary_freqs_of_option_saves(self, state_dict, self.memory_kwargs)
         with adopting_saved_read_norms(self, state_dict, strict):
             return super().load_state_dict(state_dict, strict=strict, assign=assign)
 
