@@ -347,8 +347,9 @@ class _DeltaRuleMemory(Memory):
         if rotary_base is not None:
             if isinstance(rotary_base, bool) or not (math.isfinite(rotary_base) and rotary_base > 1):
                 raise ValueError(f"rotary_base must be a finite number > 1 or None, got {rotary_base!r}")
-            # RoFormer's frequencies base^(-i/n), i < n = K//2 (base^(-2i/K) for an even K): the fastest pair turns once per 2π steps, the slowest
-            # barely moves over an episode (content addressing), those between name "L steps back". A saved
+            # RoFormer's frequencies base^(-i/n), i < n = K//2 (base^(-2i/K) for an even K): the fastest pair turns
+            # once per 2π steps, the slowest barely moves over an episode (content addressing), those between
+            # name "L steps back". A saved
             # buffer, so that a state saved without rotary positions or with another base is refused at load
             # (_load_from_state_dict) instead of loading into a model that reads its memory differently
             half = K // 2
@@ -433,8 +434,9 @@ class _DeltaRuleMemory(Memory):
                                   "memory_kwargs rotary_base")
                 return
             if self.rotary_base is not None and saved is None:
-                error_msgs.append(f"{prefix.rstrip('.') or type(self).__name__}: {SAVED_WITHOUT_ROTARY} (before they became "
-                                  f"the delta-rule default, or with rotary_base=None) and this memory has "
+                where = prefix.rstrip(".") or type(self).__name__
+                error_msgs.append(f"{where}: {SAVED_WITHOUT_ROTARY} (before they became the delta-rule default, "
+                                  f"or with rotary_base=None) and this memory has "
                                   f"rotary_base={self.rotary_base:g}; load it with memory_kwargs rotary_base=None")
                 return
             # float32 rounding allowed (a state converted on its way); bases apart by more differ far more
