@@ -349,9 +349,9 @@ class _DeltaRuleMemory(Memory):
                 raise ValueError(f"rotary_base must be a finite number > 1 or None, got {rotary_base!r}")
             # RoFormer's frequencies base^(-i/n), i < n = K//2 (base^(-2i/K) for an even K): the fastest pair turns
             # once per 2π steps, the slowest barely moves over an episode (content addressing), those between
-            # name "L steps back". A saved
-            # buffer, so that a state saved without rotary positions or with another base is refused at load
-            # (_load_from_state_dict) instead of loading into a model that reads its memory differently
+            # name "L steps back". A saved buffer, so that a state saved without rotary positions or with another
+            # base is refused at load (_load_from_state_dict) instead of loading into a model that reads its
+            # memory differently
             half = K // 2
             self.register_buffer("rotary_freqs", float(rotary_base) ** (
                 -torch.arange(half, dtype=torch.float64) / max(half, 1)))
