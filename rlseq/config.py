@@ -164,6 +164,7 @@ MEMORY_VALUES: dict[str, Callable[[Any], Any]] = {
     **dict.fromkeys(("query_norm", "output_norm", "allow_negative_eigenvalues", "bias"), _boolean),
     "beta_bias_init": _real(-MAX_SCALE), "forget_bias": _real(-MAX_SCALE), "dropout": _real(0, 1),
     "key_norm_cap": _real(0, MAX_SCALE, above=True), "rotary_base": _real(1, MAX_SCALE, above=True),
+    "rotary_max_freq": _real(0, math.pi, above=True),
 }
 # memory keywords whose null turns a part off although their default is a value
 NULLABLE_MEMORY_KEYWORDS = frozenset({"rotary_base"})

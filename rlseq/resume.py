@@ -103,7 +103,7 @@ def _load_checkpoint(latest: Path, cfg: dict[str, Any], args: argparse.Namespace
 
     from rlseq.checkpoint import set_rng_state
     from rlseq.policies.actor_critic import record_adopted_read_norms
-    from rlseq.policies.memory import SAVED_WITHOUT_ROTARY
+    from rlseq.policies.memory import SAVED_WITH_OTHER_ROTARY, SAVED_WITHOUT_ROTARY
 
     step = int(latest.name[len("step"):])
     env = make_env({**cfg, "normalize_reward": False}, seed=resumed_env_seed(cfg["seed"], step))
@@ -111,13 +111,13 @@ def _load_checkpoint(latest: Path, cfg: dict[str, Any], args: argparse.Namespace
     try:
         model = _algo_class(cfg).load(latest / "model.zip", env=env, device=device)
     except RuntimeError as e:
-        if SAVED_WITHOUT_ROTARY not in str(e):
+        if SAVED_WITHOUT_ROTARY not in str(e) and SAVED_WITH_OTHER_ROTARY not in str(e):
             raise
         env.close()
-        raise UsageError(f"--resume: {latest} was saved without rotary positions, before they became the delta-rule "
-                         "default, and this rlseq builds the run's memory with them; a run resumes with the "
-                         "settings it was trained with, so start a new run with another --tag (the checkpoint "
-                         "loads as it was trained with memory_kwargs rotary_base=None)") from None
+        raise UsageError(f"--resume: {latest} was saved with other rotary positions (or none) than this rlseq's "
+                         "defaults give the run's memory; a run resumes with the settings it was trained with, so "
+                         "start a new run with another --tag (`python -m rlseq.evaluate` plays the checkpoint as "
+                         "it was trained)") from None
     record_adopted_read_norms(model)  # RecurrentPPO's too: its next checkpoints load without the read norm
     try:
         _adopt_saved_speed_settings(cfg, model, args)

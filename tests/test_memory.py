@@ -451,7 +451,7 @@ def _delta_block_loop(m64, x: torch.Tensor, state: torch.Tensor, resets: torch.T
         if position is not None:  # the step's position in its episode turns channel i with channel i + n, n = K//2
             position = torch.where(resets[:, t], 0.0, position)  # (an odd K's last channel stays as it is)
             n = K // 2
-            omega = m64.rotary_base ** (-torch.arange(n, dtype=torch.float64) / max(n, 1))
+            omega = m64.rotary_max_freq * m64.rotary_base ** (-torch.arange(n, dtype=torch.float64) / max(n, 1))
             angle = (position[:, None] * omega)[:, None, :]
             c, s_ = angle.cos(), angle.sin()
             q_t, k_t = [torch.cat([z[..., :n] * c - z[..., n : 2 * n] * s_,
@@ -979,23 +979,29 @@ def test_every_ablation_config_is_valid():
 @pytest.mark.parametrize("rule", ["efla", "deltanet"])
 def test_a_state_saved_with_other_rotary_positions_is_refused_with_the_setting_to_load_it_by(rule):
     """Rotary positions add no weights: without the saved frequencies, a state saved with them would load into
-    a memory without them (or with another base) silently, and read its memory differently."""
-    def memory(base):
+    a memory without them (or with another base or fastest turn) silently, and read its memory differently."""
+    def memory(base, max_freq=math.pi):
         torch.manual_seed(0)
-        return make_memory(rule, F_IN, d_model=16, rotary_base=base)
+        return make_memory(rule, F_IN, d_model=16, rotary_base=base, rotary_max_freq=max_freq)
 
     with_100, plain = memory(100.0), memory(None)
     memory(100.0).load_state_dict(with_100.state_dict())  # the same setting loads
     with pytest.raises(RuntimeError, match=r"saved without rotary positions .* rotary_base=100; load it with "
                                            r"memory_kwargs rotary_base=None"):
         memory(100.0).load_state_dict(plain.state_dict())
-    with pytest.raises(RuntimeError, match=r"saved with rotary positions \(rotary_base=100\) and this memory has "
-                                           r"none"):
+    with pytest.raises(RuntimeError, match=r"saved with other rotary positions \(rotary_base=100, "
+                                           r"rotary_max_freq=3\.14159\) and this memory has none"):
         memory(None).load_state_dict(with_100.state_dict())
-    with pytest.raises(RuntimeError, match=r"saved with rotary_base=100 and this memory has rotary_base=10000"):
+    with pytest.raises(RuntimeError, match=r"saved with other rotary positions \(rotary_base=100, rotary_max_freq="
+                                           r"3\.14159\) than this memory's \(rotary_base=10000, rotary_max_freq="
+                                           r"3\.14159\); load it with the saved memory_kwargs"):
         memory(10000.0).load_state_dict(with_100.state_dict())
+    with pytest.raises(RuntimeError, match=r"\(rotary_base=100, rotary_max_freq=1\) than this memory's "
+                                           r"\(rotary_base=100, rotary_max_freq=3\.14159\)"):
+        memory(100.0).load_state_dict(memory(100.0, 1.0).state_dict())
     outer = torch.nn.Sequential(memory(10000.0))  # a memory inside a model: the names say where
-    with pytest.raises(RuntimeError, match=r"0\.rotary_freqs: the state was saved with rotary_base=100"):
+    with pytest.raises(RuntimeError, match=r"0\.rotary_freqs: the state was saved with other rotary positions "
+                                           r"\(rotary_base=100,"):
         outer.load_state_dict(torch.nn.Sequential(with_100).state_dict())
     # a state that does not hold the memory's weights (a partial load of other modules) is not checked
     memory(10000.0).load_state_dict({}, strict=False)
@@ -1005,15 +1011,19 @@ def test_a_state_saved_with_other_rotary_positions_is_refused_with_the_setting_t
 
 @pytest.mark.parametrize("rule", ["efla", "deltanet"])
 def test_a_state_of_the_rotary_option_loads_where_its_settings_name_the_base(rule):
-    """Before rotary positions were the default they were an option whose frequencies were not saved: a state
-    without them loads where the saved settings name ``rotary_base`` (it was trained with it), and is refused
-    where they do not (it was trained without)."""
+    """Before rotary positions were the default they were an option whose frequencies were not saved (and whose
+    fastest pair turned 1 rad a step): a state without them loads where the saved settings name ``rotary_base``
+    (it was trained with it), with the frequencies it was trained with, and is refused where they do not (it was
+    trained without)."""
     from rlseq.policies.memory import with_rotary_freqs_of_option_saves
 
     torch.manual_seed(0)
-    trained = make_memory(rule, F_IN, d_model=16, rotary_base=100.0)
+    trained = make_memory(rule, F_IN, d_model=16, rotary_base=100.0, rotary_max_freq=1.0)
     option_save = {k: v for k, v in trained.state_dict().items() if k != "rotary_freqs"}
-    fresh = make_memory(rule, F_IN, d_model=16, rotary_base=100.0)
+    today = make_memory(rule, F_IN, d_model=16, rotary_base=100.0)  # the fastest pair at π: not as trained
+    with pytest.raises(RuntimeError, match=r"rotary_max_freq=1\) than this memory's"):
+        today.load_state_dict(with_rotary_freqs_of_option_saves(today, option_save, {"rotary_base": 100.0}))
+    fresh = make_memory(rule, F_IN, d_model=16, rotary_base=100.0, rotary_max_freq=1.0)
     fresh.load_state_dict(with_rotary_freqs_of_option_saves(fresh, option_save, {"rotary_base": 100.0}))
     x = torch.randn(2, 9, F_IN)
     torch.testing.assert_close(fresh(x, fresh.initial_state(2), None), trained(x, trained.initial_state(2), None))
@@ -1026,6 +1036,10 @@ def test_a_state_of_the_rotary_option_loads_where_its_settings_name_the_base(rul
 def test_rotary_positions_add_one_counter_to_the_state_and_bad_settings_are_refused():
     plain, turned = make_memory("efla", F_IN, rotary_base=None), make_memory("efla", F_IN, rotary_base=100.0)
     assert make_memory("efla", F_IN).rotary_base == make_memory("deltanet", F_IN).rotary_base == 10000.0
+    assert make_memory("efla", F_IN).rotary_max_freq == make_memory("deltanet", F_IN).rotary_max_freq == math.pi
+    # the ladder from the fastest turn down: π·b^(-i/n), n = K/2 (16 at EFLA's default heads of 32)
+    torch.testing.assert_close(turned.rotary_freqs, math.pi * 100.0 ** (-torch.arange(16, dtype=torch.float64) / 16),
+                               rtol=1e-15, atol=0)
     assert turned.state_shape[0] == plain.state_shape[0] + 1 and plain.core_state_shape == (4, 32, 32)
     state = turned.initial_state(2)
     x = torch.randn(2, 5, F_IN)
@@ -1034,10 +1048,15 @@ def test_rotary_positions_add_one_counter_to_the_state_and_bad_settings_are_refu
     for bad in (1.0, 0.5, float("inf"), float("nan"), True):
         with pytest.raises(ValueError, match="rotary_base must be a finite number > 1"):
             make_memory("deltanet", F_IN, rotary_base=bad)
+    for bad in (0.0, -1.0, 3.2, float("nan"), True):
+        with pytest.raises(ValueError, match=r"rotary_max_freq must be in \(0, π\]"):
+            make_memory("efla", F_IN, rotary_max_freq=bad)
     from rlseq.config import memory_kwargs_problems
 
     assert memory_kwargs_problems({"deltanet": {"rotary_base": "1e4"}, "efla": {"rotary_base": None}}, "f.yml") == []
     assert memory_kwargs_problems({"efla": {"rotary_base": 1}}, "f.yml") == [
         "memory_kwargs efla rotary_base 1 must be > 1 and <= 1e+12 (f.yml)"]
+    assert memory_kwargs_problems({"efla": {"rotary_max_freq": 4}}, "f.yml") == [
+        "memory_kwargs efla rotary_max_freq 4 must be > 0 and <= 3.14159 (f.yml)"]
     assert "unknown memory_kwargs key 'rotary_base' of gru" in memory_kwargs_problems(
         {"gru": {"rotary_base": 100}}, "f.yml")[0]

@@ -228,21 +228,35 @@ def test_an_efla_run_saved_before_the_read_norm_default_resumes_as_it_was_traine
         assert all(sub.out_norm is None for sub in model.policy.modules() if hasattr(sub, "out_norm"))
 
 
+# the delta-rule memories' rotary settings before each of their defaults: the load's refusal, the settings that
+# load the model as it was trained, and rlseq.evaluate's note
+OLD_ROTARY_DEFAULTS = {
+    "no-rotary": ({"rotary_base": None}, "saved without rotary positions .* load it with memory_kwargs rotary_base=None",
+                  "rotary_base=None"),
+    "fastest-1rad": ({"rotary_max_freq": 1.0}, r"saved with other rotary positions \(rotary_base=10000, "
+                     r"rotary_max_freq=1\) than this memory's .*; load it with the saved memory_kwargs",
+                     "rotary_base=10000.0, rotary_max_freq=1.0"),
+}
+
+
+@pytest.mark.parametrize("old", OLD_ROTARY_DEFAULTS)
 @pytest.mark.parametrize("algo", ["rlseq", "sb3-recurrent-ppo"])
-def test_a_run_saved_before_the_rotary_default_is_refused_at_resume_and_loads_as_it_was_trained(algo, tmp_path,
-                                                                                                  monkeypatch, capsys):
-    """Rotary positions add no weights, so a checkpoint saved without them would load into today's default
-    silently and read its memory differently: --resume refuses it in one line and leaves the folder as it was;
-    the model itself loads with the setting the message names."""
+def test_a_run_saved_before_a_rotary_default_is_refused_at_resume_and_loads_as_it_was_trained(algo, old, tmp_path,
+                                                                                               monkeypatch, capsys):
+    """Rotary positions add no weights, so a checkpoint saved without them (or with other frequencies) would load
+    into today's default silently and read its memory differently: --resume refuses it in one line and leaves the
+    folder as it was; the model itself loads with the settings the message names, and rlseq.evaluate plays it so."""
     from sb3_contrib import RecurrentPPO
     from stable_baselines3.common.save_util import load_from_zip_file
 
     from rlseq.algos import MemoryPPO
     from rlseq.policies.memory import _DeltaRuleMemory
 
+    then, refusal, note = OLD_ROTARY_DEFAULTS[old]
     argv = [*BASE[:3], "efla", "--algo", algo, *BASE[4:], "--logdir", str(tmp_path)]
-    with monkeypatch.context() as m:  # as rlseq built the delta-rule memories before rotary positions
-        m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "rotary_base", None)
+    with monkeypatch.context() as m:  # as rlseq built the delta-rule memories before that default
+        for key, value in then.items():
+            m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, key, value)
         train_main([*argv, "--total-steps", "32"])
     folder = tmp_path / ENV / ("efla" if algo == "rlseq" else "sb3-efla") / "seed0"
     (folder / "final_model.zip").unlink()
@@ -252,25 +266,25 @@ def test_a_run_saved_before_the_rotary_default_is_refused_at_resume_and_loads_as
         train_main([*argv, "--total-steps", "48", "--resume"])
     assert e.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "was saved without rotary positions" in errors[0], errors
+    assert len(errors) == 1 and "was saved with other rotary positions (or none)" in errors[0], errors
     assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ".lock"} == before
     cls = MemoryPPO if algo == "rlseq" else RecurrentPPO
     newest = folder / "checkpoints" / "step32" / "model.zip"
-    with pytest.raises(RuntimeError, match="saved without rotary positions .* load it with memory_kwargs "
-                                           "rotary_base=None"):
+    with pytest.raises(RuntimeError, match=refusal):
         cls.load(newest, device="cpu")
     kwargs = load_from_zip_file(newest, device="cpu", load_data=True)[0]["policy_kwargs"]
-    kwargs = {**kwargs, "memory_kwargs": {**(kwargs.get("memory_kwargs") or {}), "rotary_base": None}}
+    kwargs = {**kwargs, "memory_kwargs": {**(kwargs.get("memory_kwargs") or {}), **then}}
     model = cls.load(newest, device="cpu", custom_objects={"policy_kwargs": kwargs})
     assert model.num_timesteps == 32
-    assert all(sub.rotary_base is None for sub in model.policy.modules() if isinstance(sub, _DeltaRuleMemory))
+    memories = [sub for sub in model.policy.modules() if isinstance(sub, _DeltaRuleMemory)]
+    assert memories and all(getattr(sub, key) == value for sub in memories for key, value in then.items())
     # playing it is safe: rlseq.evaluate loads it as it was trained and says so
     from rlseq.evaluate import evaluate
 
     played = evaluate(folder, 2, n_envs=2, device="cpu", progress=False)
     assert played["model"] == "checkpoints/step32/model.zip" and played["notes"] == [
-        "model.zip was saved before rotary positions became the delta-rule default: played without them, as it "
-        "was trained (memory_kwargs rotary_base=None)"]
+        f"model.zip was saved with other rotary positions than today's defaults: played with memory_kwargs {note}, "
+        "as it was trained"]
 
 
 # --- 4. SIGINT and SIGTERM -----------------------------------------------------------------------------------

@@ -24,8 +24,9 @@ memory           state per sequence (flat, float32)              core
 ===============  ==============================================  ============================================
 
 The delta-rule cores turn their queries and keys by each step's position in its episode (rotary positions,
-``rotary_base``), so that a query can address "L steps back" beyond the window; their state holds that position
-(the next step's) after the matrix. ``rotary_base=None`` turns them off, and the position with them.
+``rotary_base`` and ``rotary_max_freq``), so that a query can address "L steps back" beyond the window; their
+state holds that position (the next step's) after the matrix. ``rotary_base=None`` turns them off, and the
+position with them.
 
 The default widths are each memory's best of the same probe on the memory benchmark (the default and a wider
 core, equal effort for every memory; ``docs/memory.md`` has the numbers): EFLA 4 heads of ``d_model/4``, DeltaNet
@@ -84,8 +85,15 @@ DEFAULT_CONV_SIZE = 4
 # the delta-rule cores' rotary positions: RoFormer's base. Base 100 reaches further on the horizon tasks but
 # spins the slow channels that content addressing needs (RepeatFirstMedium, docs/memory.md)
 DEFAULT_ROTARY_BASE = 10000.0
-# how a load refuses a state saved before rotary positions became the default (callers match it: rlseq.resume)
+# the fastest channel pair's turn per step: π (the Nyquist limit of integer positions), not RoFormer's 1 rad.
+# At 1 rad two steps apart keep a kernel value of cos 1 ≈ 0.54 in that pair and more in every slower one, so a
+# query for "8 steps back" also reads 7 and 9 back: under PPO the answers matched lags 7 / 8 / 9 at 0.48 /
+# 0.66 / 0.47 and lag 8 stalled at +0.31; at π it reaches +0.98 (docs/memory.md)
+DEFAULT_ROTARY_MAX_FREQ = math.pi
+# how a load refuses a state saved without rotary positions or with others (callers match them: rlseq.resume,
+# rlseq.evaluate)
 SAVED_WITHOUT_ROTARY = "the state was saved without rotary positions"
+SAVED_WITH_OTHER_ROTARY = "the state was saved with other rotary positions"
 OUTPUT_NORM_EPS = 1e-5  # the delta-rule cores' read norm (flash-linear-attention's norm_eps)
 
 __all__ = [
@@ -93,6 +101,7 @@ __all__ = [
     "DEFAULT_CONV_SIZE",
     "DEFAULT_D_MODEL",
     "DEFAULT_ROTARY_BASE",
+    "DEFAULT_ROTARY_MAX_FREQ",
     "MEMORIES",
     "DeltaNetMemory",
     "EFLAMemory",
@@ -104,6 +113,8 @@ __all__ = [
     "NoMemory",
     "make_memory",
     "memory_class",
+    "rotary_frequencies",
+    "rotary_settings",
     "saved_without_read_norm",
     "with_rotary_freqs_of_option_saves",
 ]
@@ -328,6 +339,7 @@ class _DeltaRuleMemory(Memory):
         backend: str | None = None,
         chunk_size: int | None = None,
         rotary_base: float | None = DEFAULT_ROTARY_BASE,
+        rotary_max_freq: float = DEFAULT_ROTARY_MAX_FREQ,
     ) -> None:
         super().__init__(in_features, d_model=d_model, conv_size=conv_size, join=join)
         if n_heads < 1:
@@ -344,18 +356,16 @@ class _DeltaRuleMemory(Memory):
         self.backend = backend
         self.chunk_size = chunk_size
         H, K, V = self.n_heads, self.head_dim, self.value_dim
+        if isinstance(rotary_max_freq, bool) or not (0 < rotary_max_freq <= math.pi):
+            raise ValueError(f"rotary_max_freq must be in (0, π] radians a step, got {rotary_max_freq!r}")
         if rotary_base is not None:
             if isinstance(rotary_base, bool) or not (math.isfinite(rotary_base) and rotary_base > 1):
                 raise ValueError(f"rotary_base must be a finite number > 1 or None, got {rotary_base!r}")
-            # RoFormer's frequencies base^(-i/n), i < n = K//2 (base^(-2i/K) for an even K): the fastest pair turns
-            # once per 2π steps, the slowest barely moves over an episode (content addressing), those between
-            # name "L steps back". A saved buffer, so that a state saved without rotary positions or with another
-            # base is refused at load (_load_from_state_dict) instead of loading into a model that reads its
-            # memory differently
-            half = K // 2
-            self.register_buffer("rotary_freqs", float(rotary_base) ** (
-                -torch.arange(half, dtype=torch.float64) / max(half, 1)))
+            # A saved buffer, so that a state saved without rotary positions or with others is refused at load
+            # (_load_from_state_dict) instead of loading into a model that reads its memory differently
+            self.register_buffer("rotary_freqs", rotary_frequencies(K, rotary_base, rotary_max_freq))
         self.rotary_base = None if rotary_base is None else float(rotary_base)
+        self.rotary_max_freq = float(rotary_max_freq)
         self._split = (H * K, H * K, H * V)
         self.qkv = nn.Linear(self.d_model, sum(self._split))
         self.beta_proj = nn.Linear(self.d_model, H)
@@ -429,9 +439,8 @@ class _DeltaRuleMemory(Memory):
         if f"{prefix}out_proj.weight" in state_dict:
             saved = state_dict.get(f"{prefix}rotary_freqs")
             if self.rotary_base is None and saved is not None:
-                error_msgs.append(f"{prefix}rotary_freqs: the state was saved with rotary positions "
-                                  f"(rotary_base={_base_of(saved)}) and this memory has none; load it with that "
-                                  "memory_kwargs rotary_base")
+                error_msgs.append(f"{prefix}rotary_freqs: {SAVED_WITH_OTHER_ROTARY} ({_settings_text(saved)}) and "
+                                  "this memory has none; load it with those memory_kwargs")
                 return
             if self.rotary_base is not None and saved is None:
                 where = prefix.rstrip(".") or type(self).__name__
@@ -439,13 +448,13 @@ class _DeltaRuleMemory(Memory):
                                   f"or with rotary_base=None) and this memory has "
                                   f"rotary_base={self.rotary_base:g}; load it with memory_kwargs rotary_base=None")
                 return
-            # float32 rounding allowed (a state converted on its way); bases apart by more differ far more
-            # (another head size: the weights' own size mismatches say so, below)
+            # float32 rounding allowed (a state converted on its way); other settings differ far more (another
+            # head size: the weights' own size mismatches say so, below)
             if saved is not None and saved.shape == self.rotary_freqs.shape and not torch.allclose(
                     saved.double().cpu(), self.rotary_freqs.double().cpu(), rtol=1e-6, atol=0.0):
-                error_msgs.append(f"{prefix}rotary_freqs: the state was saved with rotary_base={_base_of(saved)} "
-                                  f"and this memory has rotary_base={self.rotary_base:g}; load it with the saved "
-                                  "memory_kwargs rotary_base")
+                error_msgs.append(f"{prefix}rotary_freqs: {SAVED_WITH_OTHER_ROTARY} ({_settings_text(saved)}) than "
+                                  f"this memory's ({_settings_text(self.rotary_freqs)}); load it with the saved "
+                                  "memory_kwargs")
                 return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
@@ -598,15 +607,19 @@ class EFLAMemory(_DeltaRuleMemory):
             however large the state grows, and EFLA's seeds stay together (``docs/memory.md``). A model saved
             before this default carries no norm and loads without it (:func:`saved_without_read_norm`).
         rotary_base: rotary positions (RoFormer), default :data:`DEFAULT_ROTARY_BASE` (10000): each step's query
-            and keys are turned by its position in the episode at the frequencies ``b^(-2i/K)``
-            (``b^(-i/⌊K/2⌋)`` for an odd K, whose last channel stays as it is), so that q·k depends on the
-            distance between two steps and a query can address "L steps back" beyond the window
-            (``docs/memory.md``: supervised recall, and the horizon tasks under PPO). The state holds the next
-            step's position after the matrix: ``[B, H·K·V + 1 + (W-1)·d]`` (:meth:`matrix_and_position`). None:
-            queries and keys as projected and no position in the state. A state saved with another setting is
-            refused at load with the setting to load it by: a model saved before this default without the keyword
-            was trained without them (``None``); one whose settings name it loads with it
-            (:func:`with_rotary_freqs_of_option_saves`).
+            and keys are turned by its position in the episode, channel i with channel i + ⌊K/2⌋ at the frequency
+            ``rotary_max_freq · b^(-i/⌊K/2⌋)`` (:func:`rotary_frequencies`; an odd K's last channel stays as it
+            is), so that q·k depends on the distance between two steps and a query can address "L steps back"
+            beyond the window (``docs/memory.md``: supervised recall, and the horizon tasks under PPO). The state
+            holds the next step's position after the matrix: ``[B, H·K·V + 1 + (W-1)·d]``
+            (:meth:`matrix_and_position`). None: queries and keys as projected and no position in the state.
+        rotary_max_freq: the fastest channel pair's turn per step, in (0, π] radians; default
+            :data:`DEFAULT_ROTARY_MAX_FREQ` (π, where RoFormer has 1): at 1 rad adjacent steps stay alike in every
+            pair and a query for "8 steps back" also reads 7 and 9 back (``docs/memory.md``). A state saved with
+            other rotary settings is refused at load with the settings to load it by: a model saved before rotary
+            positions became the default, without the keyword, was trained without them (``rotary_base=None``);
+            one whose settings name ``rotary_base`` but hold no frequencies (the option's time, when the fastest
+            pair turned 1 rad) loads with those (:func:`with_rotary_freqs_of_option_saves`).
         key_norm_cap: None (default): raw keys. A number c > 0: keys longer than c are scaled to length c, so the
             gate stays at most ``1 - e^{-c²}`` and β keeps control of the write (an option under test on the
             memory benchmark; ``docs/memory.md``, EFLA's seeds on RepeatFirstMedium).
@@ -634,12 +647,27 @@ class EFLAMemory(_DeltaRuleMemory):
         return super().extra_repr() + (f", key_norm_cap={self.key_norm_cap}" if self.key_norm_cap is not None else "")
 
 
-def _base_of(freqs: torch.Tensor) -> str:
-    """The rotary base that made ``freqs`` (``base^(-i/n)``, i < n = ⌊K/2⌋), for error messages."""
-    half = freqs.numel()
-    if half < 2:  # one pair turns at frequency 1 whatever the base
-        return "unknown"
-    return f"{float(freqs[1].double()) ** -half:g}"
+def rotary_frequencies(head_dim: int, base: float, max_freq: float) -> torch.Tensor:
+    """The turn per step of each of a head's ``n = ⌊head_dim/2⌋`` channel pairs: ``max_freq · base^(-i/n)``
+    (float64 ``[n]``, radians), RoFormer's geometric ladder (``base^(-2i/K)`` for an even K, there from 1 rad)
+    from ``max_freq`` down: the fastest pairs tell adjacent steps apart, the slowest barely move over an episode
+    (content addressing), those between name "L steps back"."""
+    half = head_dim // 2
+    return float(max_freq) * float(base) ** (-torch.arange(half, dtype=torch.float64) / max(half, 1))
+
+
+def rotary_settings(freqs: torch.Tensor) -> dict[str, float]:
+    """The ``memory_kwargs`` (``rotary_base``, ``rotary_max_freq``) that made ``freqs`` (:func:`rotary_frequencies`;
+    one pair carries no base: the default's)."""
+    f = freqs.double().cpu()
+    if f.numel() == 0:
+        return {}
+    base = float((f[1] / f[0]) ** -f.numel()) if f.numel() > 1 else DEFAULT_ROTARY_BASE
+    return {"rotary_base": float(f"{base:.6g}"), "rotary_max_freq": float(f[0])}
+
+
+def _settings_text(freqs: torch.Tensor) -> str:
+    return ", ".join(f"{k}={v:.6g}" for k, v in rotary_settings(freqs).items())
 
 
 def with_rotary_freqs_of_option_saves(module: nn.Module, state_dict: Mapping[str, Any],
@@ -647,8 +675,10 @@ def with_rotary_freqs_of_option_saves(module: nn.Module, state_dict: Mapping[str
     """``state_dict`` with the rotary frequencies of ``module``'s delta-rule memories added where it holds their
     weights and no frequencies although ``memory_kwargs`` (the saved model's) name a ``rotary_base``: a model
     trained while rotary positions were an option, before the frequencies were saved. Its weights were trained
-    with them, so it loads with them; a state without them whose settings do not name the keyword was trained
-    without them and is still refused (:meth:`_DeltaRuleMemory._load_from_state_dict`)."""
+    with the frequencies its settings give (that option's fastest pair turned 1 rad a step), so those are added,
+    and the load goes on if they are the module's and is refused with the settings to load by if not; a state
+    without them whose settings do not name the keyword was trained without them and is still refused
+    (:meth:`_DeltaRuleMemory._load_from_state_dict`)."""
     if memory_kwargs.get("rotary_base") is None:
         return state_dict
     added = {}
@@ -656,7 +686,9 @@ def with_rotary_freqs_of_option_saves(module: nn.Module, state_dict: Mapping[str
         prefix = f"{name}." if name else ""
         if (isinstance(sub, _DeltaRuleMemory) and sub.rotary_base is not None
                 and f"{prefix}out_proj.weight" in state_dict and f"{prefix}rotary_freqs" not in state_dict):
-            added[f"{prefix}rotary_freqs"] = sub.rotary_freqs
+            added[f"{prefix}rotary_freqs"] = rotary_frequencies(
+                sub.head_dim, memory_kwargs["rotary_base"], memory_kwargs.get("rotary_max_freq", 1.0)).to(
+                sub.rotary_freqs.device)
     return {**state_dict, **added} if added else state_dict
 
 
