@@ -74,7 +74,7 @@ def load_as_trained(cls: type, path: Path, device: str, notes: list[str]) -> Any
     else:
         trained = {"rotary_base": None}
     memory_kwargs.update(trained)
-    settings = ", ".join(f"{k}={v}" for k, v in trained.items())
+    settings = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in trained.items())
     notes.append(f"{path.name} was saved with other rotary positions than today's defaults: played with "
                  f"memory_kwargs {settings}, as it was trained")
     return cls.load(path, device=device, custom_objects={"policy_kwargs": {**kwargs, "memory_kwargs": memory_kwargs}})

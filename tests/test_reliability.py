@@ -235,7 +235,7 @@ OLD_ROTARY_DEFAULTS = {
                   "rotary_base=None"),
     "fastest-1rad": ({"rotary_max_freq": 1.0}, r"saved with other rotary positions \(rotary_base=10000, "
                      r"rotary_max_freq=1\) than this memory's .*; load it with the saved memory_kwargs",
-                     "rotary_base=10000.0, rotary_max_freq=1.0"),
+                     "rotary_base=10000, rotary_max_freq=1"),
 }
 
 
@@ -285,6 +285,35 @@ def test_a_run_saved_before_a_rotary_default_is_refused_at_resume_and_loads_as_i
     assert played["model"] == "checkpoints/step32/model.zip" and played["notes"] == [
         f"model.zip was saved with other rotary positions than today's defaults: played with memory_kwargs {note}, "
         "as it was trained"]
+
+
+def test_a_model_of_the_rotary_option_is_played_with_the_frequencies_it_was_trained_with(tmp_path, monkeypatch):
+    """While rotary positions were an option their frequencies were not saved and the fastest pair turned 1 rad a
+    step: such a model (``rotary_base`` in its settings, no ``rotary_freqs`` in its state) is refused by a plain
+    load under today's π, and rlseq.evaluate plays it at 1 rad, as it was trained, and says so."""
+    from stable_baselines3.common.save_util import load_from_zip_file, save_to_zip_file
+
+    from rlseq.algos import MemoryPPO
+    from rlseq.evaluate import evaluate
+    from rlseq.policies.memory import _DeltaRuleMemory
+
+    config = tmp_path / "option.yml"
+    config.write_text(yaml.safe_dump({ENV: {"memory_kwargs": {"efla": {"rotary_base": 10000}}}}))
+    argv = [*BASE[:3], "efla", *BASE[4:], "--logdir", str(tmp_path), "--config", str(config), "--total-steps", "32"]
+    with monkeypatch.context() as m:  # as rlseq built the option
+        m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "rotary_max_freq", 1.0)
+        train_main(argv)
+    folder = tmp_path / ENV / "efla" / "seed0"
+    path = folder / "final_model.zip"
+    data, params, variables = load_from_zip_file(path, device="cpu", load_data=True)
+    assert data["policy_kwargs"]["memory_kwargs"] == {"rotary_base": 10000}
+    params["policy"] = {k: v for k, v in params["policy"].items() if not k.endswith("rotary_freqs")}
+    save_to_zip_file(path, data=data, params=params, pytorch_variables=variables)  # as the option saved it
+    with pytest.raises(RuntimeError, match=r"\(rotary_base=10000, rotary_max_freq=1\) than this memory's"):
+        MemoryPPO.load(path, device="cpu")
+    played = evaluate(folder, 2, n_envs=2, device="cpu", progress=False)
+    assert played["notes"] == ["final_model.zip was saved with other rotary positions than today's defaults: played "
+                               "with memory_kwargs rotary_base=10000, rotary_max_freq=1, as it was trained"]
 
 
 # --- 4. SIGINT and SIGTERM -----------------------------------------------------------------------------------
