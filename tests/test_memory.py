@@ -980,6 +980,8 @@ def test_every_ablation_config_is_valid():
 def test_a_state_saved_with_other_rotary_positions_is_refused_with_the_setting_to_load_it_by(rule):
     """Rotary positions add no weights: without the saved frequencies, a state saved with them would load into
     a memory without them (or with another base or fastest turn) silently, and read its memory differently."""
+    from rlseq.policies.memory import rotary_settings
+
     def memory(base, max_freq=math.pi):
         torch.manual_seed(0)
         return make_memory(rule, F_IN, d_model=16, rotary_base=base, rotary_max_freq=max_freq)
@@ -1005,8 +1007,11 @@ def test_a_state_saved_with_other_rotary_positions_is_refused_with_the_setting_t
         outer.load_state_dict(torch.nn.Sequential(with_100).state_dict())
     # a state that does not hold the memory's weights (a partial load of other modules) is not checked
     memory(10000.0).load_state_dict({}, strict=False)
-    # float32 rounding of the saved frequencies is the same base
-    memory(100.0).load_state_dict({k: v.float() for k, v in with_100.state_dict().items()})
+    # float32 rounding of the saved frequencies is the same base, and names settings a memory can be built with
+    as_float32 = {k: v.float() for k, v in with_100.state_dict().items()}
+    memory(100.0).load_state_dict(as_float32)
+    assert rotary_settings(as_float32["rotary_freqs"]) == {"rotary_base": 100.0, "rotary_max_freq": math.pi}
+    assert rotary_settings(memory(100.0, 1.0).rotary_freqs) == {"rotary_base": 100.0, "rotary_max_freq": 1.0}
 
 
 @pytest.mark.parametrize("rule", ["efla", "deltanet"])

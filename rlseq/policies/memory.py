@@ -663,7 +663,8 @@ def rotary_settings(freqs: torch.Tensor) -> dict[str, float]:
     if f.numel() == 0:
         return {}
     base = float((f[1] / f[0]) ** -f.numel()) if f.numel() > 1 else DEFAULT_ROTARY_BASE
-    return {"rotary_base": float(f"{base:.6g}"), "rotary_max_freq": float(f[0])}
+    # a float32-rounded π lies just above π, which the constructor refuses
+    return {"rotary_base": float(f"{base:.6g}"), "rotary_max_freq": min(float(f[0]), math.pi)}
 
 
 def _settings_text(freqs: torch.Tensor) -> str:
