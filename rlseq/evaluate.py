@@ -55,7 +55,8 @@ def load_as_trained(cls: type, path: Path, device: str, notes: list[str]) -> Any
     since it would go on training with other settings than its config's."""
     from stable_baselines3.common.save_util import load_from_zip_file
 
-    from rlseq.policies.memory import SAVED_WITH_OTHER_ROTARY, SAVED_WITHOUT_ROTARY, rotary_settings
+    from rlseq.policies.memory import (SAVED_WITH_OTHER_ROTARY, SAVED_WITHOUT_ROTARY, format_memory_kwargs,
+                                       rotary_settings)
 
     try:
         return cls.load(path, device=device)
@@ -74,9 +75,8 @@ def load_as_trained(cls: type, path: Path, device: str, notes: list[str]) -> Any
     else:
         trained = {"rotary_base": None}
     memory_kwargs.update(trained)
-    settings = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in trained.items())
     notes.append(f"{path.name} was saved with other rotary positions than today's defaults: played with "
-                 f"memory_kwargs {settings}, as it was trained")
+                 f"memory_kwargs {format_memory_kwargs(trained)}, as it was trained")
     return cls.load(path, device=device, custom_objects={"policy_kwargs": {**kwargs, "memory_kwargs": memory_kwargs}})
 
 

@@ -114,10 +114,12 @@ def _load_checkpoint(latest: Path, cfg: dict[str, Any], args: argparse.Namespace
         if SAVED_WITHOUT_ROTARY not in str(e) and SAVED_WITH_OTHER_ROTARY not in str(e):
             raise
         env.close()
+        said = next(line.strip() for line in str(e).splitlines()
+                    if SAVED_WITHOUT_ROTARY in line or SAVED_WITH_OTHER_ROTARY in line)
         raise UsageError(f"--resume: {latest} was saved with other rotary positions (or none) than this rlseq's "
                          "defaults give the run's memory; a run resumes with the settings it was trained with, so "
                          "start a new run with another --tag (`python -m rlseq.evaluate` plays the checkpoint as "
-                         "it was trained)") from None
+                         f"it was trained). The load said: {said}") from None
     record_adopted_read_norms(model)  # RecurrentPPO's too: its next checkpoints load without the read norm
     try:
         _adopt_saved_speed_settings(cfg, model, args)

@@ -17,6 +17,7 @@ import copy  # noqa: E402
 import math  # noqa: E402
 import importlib  # noqa: E402
 import pathlib  # noqa: E402
+import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import warnings  # noqa: E402
@@ -991,15 +992,18 @@ def test_a_state_saved_with_other_rotary_positions_is_refused_with_the_setting_t
     with pytest.raises(RuntimeError, match=r"saved without rotary positions .* rotary_base=100; load it with "
                                            r"memory_kwargs rotary_base=None"):
         memory(100.0).load_state_dict(plain.state_dict())
-    with pytest.raises(RuntimeError, match=r"saved with other rotary positions \(rotary_base=100, "
-                                           r"rotary_max_freq=3\.14159\) and this memory has none"):
+    pi = re.escape(repr(math.pi))
+    with pytest.raises(RuntimeError, match=rf"saved with other rotary positions \(rotary_base=100, "
+                                           rf"rotary_max_freq={pi}\) and this memory has none; load it with "
+                                           rf"memory_kwargs rotary_base=100, rotary_max_freq={pi}$"):
         memory(None).load_state_dict(with_100.state_dict())
-    with pytest.raises(RuntimeError, match=r"saved with other rotary positions \(rotary_base=100, rotary_max_freq="
-                                           r"3\.14159\) than this memory's \(rotary_base=10000, rotary_max_freq="
-                                           r"3\.14159\); load it with the saved memory_kwargs"):
+    with pytest.raises(RuntimeError, match=rf"saved with other rotary positions \(rotary_base=100, rotary_max_freq="
+                                           rf"{pi}\) than this memory's \(rotary_base=10000, rotary_max_freq={pi}\); "
+                                           rf"load it with memory_kwargs rotary_base=100, rotary_max_freq={pi}$"):
         memory(10000.0).load_state_dict(with_100.state_dict())
-    with pytest.raises(RuntimeError, match=r"\(rotary_base=100, rotary_max_freq=1\) than this memory's "
-                                           r"\(rotary_base=100, rotary_max_freq=3\.14159\)"):
+    with pytest.raises(RuntimeError, match=rf"\(rotary_base=100, rotary_max_freq=1\) than this memory's "
+                                           rf"\(rotary_base=100, rotary_max_freq={pi}\); load it with memory_kwargs "
+                                           rf"rotary_base=100, rotary_max_freq=1$"):
         memory(100.0).load_state_dict(memory(100.0, 1.0).state_dict())
     outer = torch.nn.Sequential(memory(10000.0))  # a memory inside a model: the names say where
     with pytest.raises(RuntimeError, match=r"0\.rotary_freqs: the state was saved with other rotary positions "
@@ -1012,6 +1016,22 @@ def test_a_state_saved_with_other_rotary_positions_is_refused_with_the_setting_t
     memory(100.0).load_state_dict(as_float32)
     assert rotary_settings(as_float32["rotary_freqs"]) == {"rotary_base": 100.0, "rotary_max_freq": math.pi}
     assert rotary_settings(memory(100.0, 1.0).rotary_freqs) == {"rotary_base": 100.0, "rotary_max_freq": 1.0}
+
+
+@pytest.mark.parametrize("head_dim", [2, 3, 32, 128, 512])
+@pytest.mark.parametrize("base", [2.0, 100.0, 12345.678, 1e6])
+@pytest.mark.parametrize("max_freq", [0.5, 1.0, math.pi])
+def test_rotary_settings_rebuild_saved_frequencies_that_load(head_dim, base, max_freq):
+    """The settings a refusal names, read from saved frequencies (float64 or float32-rounded), rebuild them
+    within the load's tolerance, for wide heads and bases of many digits too (one pair: its turn alone)."""
+    from rlseq.policies.memory import rotary_frequencies, rotary_settings
+
+    freqs = rotary_frequencies(head_dim, base, max_freq)
+    for saved in (freqs, freqs.float()):
+        settings = rotary_settings(saved)
+        rebuilt = rotary_frequencies(head_dim, settings.get("rotary_base", base), settings["rotary_max_freq"])
+        torch.testing.assert_close(rebuilt, saved.double(), rtol=1e-6, atol=0)
+        assert ("rotary_base" in settings) == (head_dim >= 4)
 
 
 @pytest.mark.parametrize("rule", ["efla", "deltanet"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -234,7 +235,8 @@ OLD_ROTARY_DEFAULTS = {
     "no-rotary": ({"rotary_base": None}, "saved without rotary positions .* load it with memory_kwargs rotary_base=None",
                   "rotary_base=None"),
     "fastest-1rad": ({"rotary_max_freq": 1.0}, r"saved with other rotary positions \(rotary_base=10000, "
-                     r"rotary_max_freq=1\) than this memory's .*; load it with the saved memory_kwargs",
+                     r"rotary_max_freq=1\) than this memory's .*; load it with memory_kwargs rotary_base=10000, "
+                     r"rotary_max_freq=1",
                      "rotary_base=10000, rotary_max_freq=1"),
 }
 
@@ -267,6 +269,7 @@ def test_a_run_saved_before_a_rotary_default_is_refused_at_resume_and_loads_as_i
     assert e.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "was saved with other rotary positions (or none)" in errors[0], errors
+    assert re.search(f"The load said: .*{refusal}", errors[0]), errors  # names the settings it was trained with
     assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ".lock"} == before
     cls = MemoryPPO if algo == "rlseq" else RecurrentPPO
     newest = folder / "checkpoints" / "step32" / "model.zip"

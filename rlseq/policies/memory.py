@@ -86,7 +86,7 @@ DEFAULT_CONV_SIZE = 4
 # spins the slow channels that content addressing needs (RepeatFirstMedium, docs/memory.md)
 DEFAULT_ROTARY_BASE = 10000.0
 # the fastest channel pair's turn per step: π (the Nyquist limit of integer positions), not RoFormer's 1 rad.
-# At 1 rad two steps apart keep a kernel value of cos 1 ≈ 0.54 in that pair and more in every slower one, so a
+# At 1 rad adjacent steps keep a kernel value of cos 1 ≈ 0.54 in that pair and more in every slower one, so a
 # query for "8 steps back" also reads 7 and 9 back: under PPO the answers matched lags 7 / 8 / 9 at 0.48 /
 # 0.66 / 0.47 and lag 8 stalled at +0.31; at π it reaches +0.98 (docs/memory.md)
 DEFAULT_ROTARY_MAX_FREQ = math.pi
@@ -113,6 +113,7 @@ __all__ = [
     "NoMemory",
     "make_memory",
     "memory_class",
+    "format_memory_kwargs",
     "rotary_frequencies",
     "rotary_settings",
     "saved_without_read_norm",
@@ -440,7 +441,7 @@ class _DeltaRuleMemory(Memory):
             saved = state_dict.get(f"{prefix}rotary_freqs")
             if self.rotary_base is None and saved is not None:
                 error_msgs.append(f"{prefix}rotary_freqs: {SAVED_WITH_OTHER_ROTARY} ({_settings_text(saved)}) and "
-                                  "this memory has none; load it with those memory_kwargs")
+                                  f"this memory has none; load it with memory_kwargs {_settings_text(saved)}")
                 return
             if self.rotary_base is not None and saved is None:
                 where = prefix.rstrip(".") or type(self).__name__
@@ -453,8 +454,8 @@ class _DeltaRuleMemory(Memory):
             if saved is not None and saved.shape == self.rotary_freqs.shape and not torch.allclose(
                     saved.double().cpu(), self.rotary_freqs.double().cpu(), rtol=1e-6, atol=0.0):
                 error_msgs.append(f"{prefix}rotary_freqs: {SAVED_WITH_OTHER_ROTARY} ({_settings_text(saved)}) than "
-                                  f"this memory's ({_settings_text(self.rotary_freqs)}); load it with the saved "
-                                  "memory_kwargs")
+                                  f"this memory's ({_settings_text(self.rotary_freqs)}); load it with memory_kwargs "
+                                  f"{_settings_text(saved)}")
                 return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
@@ -657,18 +658,32 @@ def rotary_frequencies(head_dim: int, base: float, max_freq: float) -> torch.Ten
 
 
 def rotary_settings(freqs: torch.Tensor) -> dict[str, float]:
-    """The ``memory_kwargs`` (``rotary_base``, ``rotary_max_freq``) that made ``freqs`` (:func:`rotary_frequencies`;
-    one pair carries no base: the default's)."""
+    """The ``memory_kwargs`` (``rotary_base``, ``rotary_max_freq``) that made ``freqs`` (:func:`rotary_frequencies`),
+    float32-rounded or not: settings that rebuild them within the load's tolerance (rtol 1e-6), with as few digits
+    as do. One pair carries no base: only ``rotary_max_freq`` then."""
     f = freqs.double().cpu()
-    if f.numel() == 0:
+    n = f.numel()
+    if n == 0:
         return {}
-    base = float((f[1] / f[0]) ** -f.numel()) if f.numel() > 1 else DEFAULT_ROTARY_BASE
-    # a float32-rounded π lies just above π, which the constructor refuses
-    return {"rotary_base": float(f"{base:.6g}"), "rotary_max_freq": min(float(f[0]), math.pi)}
+    max_freq = min(float(f[0]), math.pi)  # a float32-rounded π lies just above π, which the constructor refuses
+    if n < 2:
+        return {"rotary_max_freq": max_freq}
+    # from the whole ladder: the ratio of two neighbours would multiply float32's rounding by n
+    raw = float((f[-1] / f[0]) ** (-n / (n - 1)))
+    for digits in range(6, 18):
+        base = float(f"{raw:.{digits}g}")
+        if torch.allclose(rotary_frequencies(2 * n, base, max_freq), f, rtol=1e-6, atol=0.0):
+            break
+    return {"rotary_base": base, "rotary_max_freq": max_freq}
+
+
+def format_memory_kwargs(settings: Mapping[str, Any]) -> str:
+    """``"rotary_base=10000, rotary_max_freq=1"``: numbers in the fewest digits that give them back."""
+    return ", ".join(f"{k}={repr(v).removesuffix('.0') if isinstance(v, float) else v}" for k, v in settings.items())
 
 
 def _settings_text(freqs: torch.Tensor) -> str:
-    return ", ".join(f"{k}={v:.6g}" for k, v in rotary_settings(freqs).items())
+    return format_memory_kwargs(rotary_settings(freqs))
 
 
 def with_rotary_freqs_of_option_saves(module: nn.Module, state_dict: Mapping[str, Any],
