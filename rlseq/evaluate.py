@@ -55,13 +55,12 @@ def load_as_trained(cls: type, path: Path, device: str, notes: list[str]) -> Any
     since it would go on training with other settings than its config's."""
     from stable_baselines3.common.save_util import load_from_zip_file
 
-    from rlseq.policies.memory import (SAVED_WITH_OTHER_ROTARY, SAVED_WITHOUT_ROTARY, format_memory_kwargs,
-                                       rotary_settings)
+    from rlseq.policies.memory import format_memory_kwargs, rotary_refusal, rotary_settings
 
     try:
         return cls.load(path, device=device)
     except RuntimeError as e:
-        if SAVED_WITHOUT_ROTARY not in str(e) and SAVED_WITH_OTHER_ROTARY not in str(e):
+        if rotary_refusal(e) is None:
             raise
     data, params, _ = load_from_zip_file(path, device=device, load_data=True)
     kwargs = data["policy_kwargs"]

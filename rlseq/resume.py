@@ -103,7 +103,7 @@ def _load_checkpoint(latest: Path, cfg: dict[str, Any], args: argparse.Namespace
 
     from rlseq.checkpoint import set_rng_state
     from rlseq.policies.actor_critic import record_adopted_read_norms
-    from rlseq.policies.memory import SAVED_WITH_OTHER_ROTARY, SAVED_WITHOUT_ROTARY
+    from rlseq.policies.memory import rotary_refusal
 
     step = int(latest.name[len("step"):])
     env = make_env({**cfg, "normalize_reward": False}, seed=resumed_env_seed(cfg["seed"], step))
@@ -111,11 +111,10 @@ def _load_checkpoint(latest: Path, cfg: dict[str, Any], args: argparse.Namespace
     try:
         model = _algo_class(cfg).load(latest / "model.zip", env=env, device=device)
     except RuntimeError as e:
-        if SAVED_WITHOUT_ROTARY not in str(e) and SAVED_WITH_OTHER_ROTARY not in str(e):
+        said = rotary_refusal(e)
+        if said is None:
             raise
         env.close()
-        said = next(line.strip() for line in str(e).splitlines()
-                    if SAVED_WITHOUT_ROTARY in line or SAVED_WITH_OTHER_ROTARY in line)
         raise UsageError(f"--resume: {latest} was saved with other rotary positions (or none) than this rlseq's "
                          "defaults give the run's memory; a run resumes with the settings it was trained with, so "
                          "start a new run with another --tag (`python -m rlseq.evaluate` plays the checkpoint as "

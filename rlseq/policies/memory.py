@@ -90,8 +90,8 @@ DEFAULT_ROTARY_BASE = 10000.0
 # query for "8 steps back" also reads 7 and 9 back: under PPO the answers matched lags 7 / 8 / 9 at 0.48 /
 # 0.66 / 0.47 and lag 8 stalled at +0.31; at π it reaches +0.98 (docs/memory.md)
 DEFAULT_ROTARY_MAX_FREQ = math.pi
-# how a load refuses a state saved without rotary positions or with others (callers match them: rlseq.resume,
-# rlseq.evaluate)
+# how a load refuses a state saved without rotary positions or with others (rotary_refusal finds the line for
+# rlseq.resume and rlseq.evaluate)
 SAVED_WITHOUT_ROTARY = "the state was saved without rotary positions"
 SAVED_WITH_OTHER_ROTARY = "the state was saved with other rotary positions"
 OUTPUT_NORM_EPS = 1e-5  # the delta-rule cores' read norm (flash-linear-attention's norm_eps)
@@ -115,6 +115,7 @@ __all__ = [
     "memory_class",
     "format_memory_kwargs",
     "rotary_frequencies",
+    "rotary_refusal",
     "rotary_settings",
     "saved_without_read_norm",
     "with_rotary_freqs_of_option_saves",
@@ -675,6 +676,13 @@ def rotary_settings(freqs: torch.Tensor) -> dict[str, float]:
         if torch.allclose(rotary_frequencies(2 * n, base, max_freq), f, rtol=1e-6, atol=0.0):
             break
     return {"rotary_base": base, "rotary_max_freq": max_freq}
+
+
+def rotary_refusal(error: BaseException) -> str | None:
+    """The line of a load's ``error`` that refuses a state for its rotary positions (saved without them or with
+    others, naming the settings to load it by), or None when the load failed for another reason."""
+    return next((line.strip() for line in str(error).splitlines()
+                 if SAVED_WITHOUT_ROTARY in line or SAVED_WITH_OTHER_ROTARY in line), None)
 
 
 def format_memory_kwargs(settings: Mapping[str, Any]) -> str:
