@@ -48,9 +48,9 @@ def main() -> None:
 
     policy_kwargs = {}
     if args.policy != "CnnLstmPolicy":
-        # 4 heads of 32 × 32: a 4096-float state per env (EFLA's default; DeltaNet's is 64 × 64); lower head_dim
-        # to save buffer memory
-        policy_kwargs = dict(memory_kwargs=dict(n_heads=4, head_dim=32))
+        # 4 heads of 32 × 32: a 4096-float state per env (EFLA's default is 64 × 32, DeltaNet's 64 × 64), half
+        # the buffer memory of EFLA's default (RecurrentPPO stores the state of every step)
+        policy_kwargs = dict(memory_kwargs=dict(n_heads=4, head_dim=32, value_dim=32))
 
     model = RecurrentPPO(
         POLICIES[args.policy],  # was: "CnnLstmPolicy"

@@ -48,33 +48,25 @@ def evaluation_levels(env_kwargs: dict, start_level: int | None) -> dict:
 
 
 def load_as_trained(cls: type, path: Path, device: str, notes: list[str]) -> Any:
-    """``cls.load(path)``, or, for a model saved with other rotary positions than today's defaults give its
-    delta-rule memory (saved before they became the default, or before their fastest pair turned π a step), which
-    a plain load refuses, the same with the settings it was trained with, read from the saved frequencies, with a
-    line in ``notes`` saying so. Only for playing a model: a resumed run is refused instead (:mod:`rlseq.resume`),
-    since it would go on training with other settings than its config's."""
+    """``cls.load(path)``, or, for a model whose delta-rule memory was saved with other settings than today's
+    defaults give it (head sizes, or rotary positions: saved before they became the default or before their
+    fastest pair turned π a step), which a plain load refuses naming the ``memory_kwargs`` to load it by, the same
+    with those settings, and a line in ``notes`` saying so. Only for playing a model: a resumed run is refused
+    instead (:mod:`rlseq.resume`), since it would go on training with other settings than its config's."""
     from stable_baselines3.common.save_util import load_from_zip_file
 
-    from rlseq.policies.memory import format_memory_kwargs, rotary_refusal, rotary_settings
+    from rlseq.policies.memory import format_memory_kwargs, memory_kwargs_to_load, settings_refusal
 
     try:
         return cls.load(path, device=device)
     except RuntimeError as e:
-        if rotary_refusal(e) is None:
+        refusal = settings_refusal(e)
+        if refusal is None:
             raise
-    data, params, _ = load_from_zip_file(path, device=device, load_data=True)
-    kwargs = data["policy_kwargs"]
-    memory_kwargs = dict(kwargs.get("memory_kwargs") or {})
-    saved = next((t for k, t in (params.get("policy") or {}).items() if k.endswith("rotary_freqs")), None)
-    if saved is not None:
-        trained = rotary_settings(saved)
-    elif memory_kwargs.get("rotary_base") is not None:  # the option's time: no saved frequencies, 1 rad fastest
-        trained = {"rotary_base": memory_kwargs["rotary_base"],
-                   "rotary_max_freq": memory_kwargs.get("rotary_max_freq", 1.0)}
-    else:
-        trained = {"rotary_base": None}
-    memory_kwargs.update(trained)
-    notes.append(f"{path.name} was saved with other rotary positions than today's defaults: played with "
+    trained = memory_kwargs_to_load(refusal)
+    kwargs = load_from_zip_file(path, device=device, load_data=True)[0]["policy_kwargs"]
+    memory_kwargs = {**(kwargs.get("memory_kwargs") or {}), **trained}
+    notes.append(f"{path.name} was saved with other memory settings than today's defaults: played with "
                  f"memory_kwargs {format_memory_kwargs(trained)}, as it was trained")
     return cls.load(path, device=device, custom_objects={"policy_kwargs": {**kwargs, "memory_kwargs": memory_kwargs}})
 

@@ -103,7 +103,7 @@ def _load_checkpoint(latest: Path, cfg: dict[str, Any], args: argparse.Namespace
 
     from rlseq.checkpoint import set_rng_state
     from rlseq.policies.actor_critic import record_adopted_read_norms
-    from rlseq.policies.memory import rotary_refusal
+    from rlseq.policies.memory import settings_refusal
 
     step = int(latest.name[len("step"):])
     env = make_env({**cfg, "normalize_reward": False}, seed=resumed_env_seed(cfg["seed"], step))
@@ -111,14 +111,14 @@ def _load_checkpoint(latest: Path, cfg: dict[str, Any], args: argparse.Namespace
     try:
         model = _algo_class(cfg).load(latest / "model.zip", env=env, device=device)
     except RuntimeError as e:
-        said = rotary_refusal(e)
+        said = settings_refusal(e)
         if said is None:
             raise
         env.close()
-        raise UsageError(f"--resume: {latest} was saved with other rotary positions (or none) than this rlseq's "
-                         "defaults give the run's memory; a run resumes with the settings it was trained with, so "
-                         "start a new run with another --tag (`python -m rlseq.evaluate` plays the checkpoint as "
-                         f"it was trained). The load said: {said}") from None
+        raise UsageError(f"--resume: {latest} was saved with other memory settings (head sizes or rotary "
+                         "positions) than this rlseq's defaults give the run's memory; a run resumes with the settings "
+                         "it was trained with, so start a new run with another --tag (`python -m rlseq.evaluate` plays "
+                         f"the checkpoint as it was trained). The load said: {said}") from None
     record_adopted_read_norms(model)  # RecurrentPPO's too: its next checkpoints load without the read norm
     try:
         _adopt_saved_speed_settings(cfg, model, args)

@@ -47,7 +47,7 @@ TOL = 1e-5
 F_IN = 12
 
 SMALL = {
-    "efla": dict(n_heads=2, head_dim=16, d_model=24),
+    "efla": dict(n_heads=2, head_dim=16, value_dim=16, d_model=24),  # K = V here, K ≠ V in DeltaNet's
     "deltanet": dict(n_heads=2, head_dim=16, value_dim=8, d_model=20),
     "gru": dict(hidden_size=12, num_layers=2, d_model=16),
     "lstm": dict(hidden_size=20, num_layers=2, d_model=16),
@@ -158,7 +158,7 @@ def test_width_does_not_depend_on_the_input():
     assert isinstance(make_memory("EFLA", 4), EFLAMemory) and isinstance(make_memory("deltanet", 4), DeltaNetMemory)
     assert isinstance(make_memory("lstm", 4), LSTMMemory) and isinstance(make_memory("none", 4), NoMemory)
     assert isinstance(make_memory("gru", 4), GRUMemory)
-    assert make_memory("efla", 4).head_dim == 32 and make_memory("efla", 4, d_model=256).head_dim == 64
+    assert make_memory("efla", 4).head_dim == 64 and make_memory("efla", 4, d_model=256).head_dim == 128
 
 
 def _core_parameters(m: Memory) -> int:
@@ -171,15 +171,17 @@ SHARED = ("in_proj.", "conv.", "conv_norm.", "norm.")  # the block's parameters,
 @pytest.mark.parametrize("d_model", [64, 128, 256])
 def test_the_block_is_shared_and_the_cores_scale_with_its_width(d_model):
     """The block around the memory is identical for every memory; the default core widths scale with d_model
-    (EFLA heads of d/4, DeltaNet d/2, GRU and LSTM hidden 2d)."""
+    (EFLA keys of d/2 and values of d/4 per head, DeltaNet both d/2, GRU and LSTM hidden 2d)."""
     shared = {name: sum(p.numel() for n, p in make_memory(name, 17, d_model=d_model).named_parameters()
                         if n.startswith(SHARED)) for name in MEMORIES}
     assert len(set(shared.values())) == 1, shared
     assert _core_parameters(make_memory("none", 17, d_model=d_model)) == 0
-    for name, head in (("efla", d_model // 4), ("deltanet", d_model // 2)):
+    for name, keys, values in (("efla", d_model // 2, d_model // 4), ("deltanet", d_model // 2, d_model // 2)):
         m = make_memory(name, 17, d_model=d_model)
         matrix, position = m.matrix_and_position(m.state_parts(m.initial_state(2))[0])
-        assert (matrix.shape[1:], position.shape) == ((4, head, head), (2,))
+        assert (matrix.shape[1:], position.shape) == ((4, keys, values), (2,))
+    # keys given alone: values keep the rule's ratio (EFLA's half, DeltaNet's whole)
+    assert make_memory("efla", 17, head_dim=48).value_dim == 24 and make_memory("deltanet", 17, head_dim=48).value_dim == 48
     assert make_memory("gru", 17, d_model=d_model).core_state_shape == (1, 1, 2 * d_model)
     assert make_memory("lstm", 17, d_model=d_model).core_state_shape == (2, 1, 2 * d_model)
 
@@ -978,6 +980,46 @@ def test_every_ablation_config_is_valid():
 
 
 @pytest.mark.parametrize("rule", ["efla", "deltanet"])
+def test_a_state_saved_with_other_head_sizes_is_refused_with_the_settings_to_load_it_by(rule):
+    """Another head size fails on tensor shapes that do not say which settings made them: the load names the
+    saved sizes (and, compared at those sizes, the saved rotary positions) as memory_kwargs that load it."""
+    from rlseq.policies.memory import memory_kwargs_to_load, settings_refusal
+
+    def memory(**kw):
+        torch.manual_seed(0)
+        return make_memory(rule, F_IN, d_model=16, **kw)
+
+    default = memory()
+    saved = memory(head_dim=6, value_dim=10).state_dict()
+    with pytest.raises(RuntimeError) as e:
+        default.load_state_dict(saved)
+    said = settings_refusal(e.value)
+    assert said.startswith(f"qkv.weight: the state was saved with other head sizes (head_dim=6, value_dim=10) than "
+                           f"this memory's (head_dim={default.head_dim}, value_dim={default.value_dim}); load it with "
+                           "memory_kwargs head_dim=6, value_dim=10"), said
+    memory(**memory_kwargs_to_load(said)).load_state_dict(saved)  # what it names loads
+    # other sizes and other rotary positions: one line names both
+    saved = memory(head_dim=6, value_dim=10, rotary_max_freq=1.0).state_dict()
+    with pytest.raises(RuntimeError) as e:
+        default.load_state_dict(saved)
+    said = settings_refusal(e.value)
+    assert memory_kwargs_to_load(said) == dict(head_dim=6, value_dim=10, rotary_base=10000, rotary_max_freq=1), said
+    memory(**memory_kwargs_to_load(said)).load_state_dict(saved)
+    saved = memory(head_dim=6, value_dim=10, rotary_base=None).state_dict()
+    with pytest.raises(RuntimeError) as e:
+        default.load_state_dict(saved)
+    said = settings_refusal(e.value)
+    assert memory_kwargs_to_load(said) == dict(head_dim=6, value_dim=10, rotary_base=None), said
+    memory(**memory_kwargs_to_load(said)).load_state_dict(saved)
+    # another head count cannot be read from the shapes: torch's size checks speak, not a guess
+    with pytest.raises(RuntimeError, match="size mismatch") as e:
+        memory(n_heads=3).load_state_dict(memory(n_heads=2, head_dim=5, value_dim=5).state_dict())
+    assert settings_refusal(e.value) is None
+    with pytest.raises(ValueError, match="not a settings refusal"):
+        memory_kwargs_to_load("size mismatch for qkv.weight")
+
+
+@pytest.mark.parametrize("rule", ["efla", "deltanet"])
 def test_a_state_saved_with_other_rotary_positions_is_refused_with_the_setting_to_load_it_by(rule):
     """Rotary positions add no weights: without the saved frequencies, a state saved with them would load into
     a memory without them (or with another base or fastest turn) silently, and read its memory differently."""
@@ -1062,10 +1104,10 @@ def test_rotary_positions_add_one_counter_to_the_state_and_bad_settings_are_refu
     plain, turned = make_memory("efla", F_IN, rotary_base=None), make_memory("efla", F_IN, rotary_base=100.0)
     assert make_memory("efla", F_IN).rotary_base == make_memory("deltanet", F_IN).rotary_base == 10000.0
     assert make_memory("efla", F_IN).rotary_max_freq == make_memory("deltanet", F_IN).rotary_max_freq == math.pi
-    # the ladder from the fastest turn down: π·b^(-i/n), n = K/2 (16 at EFLA's default heads of 32)
-    torch.testing.assert_close(turned.rotary_freqs, math.pi * 100.0 ** (-torch.arange(16, dtype=torch.float64) / 16),
+    # the ladder from the fastest turn down: π·b^(-i/n), n = K/2 (32 at EFLA's default keys of 64)
+    torch.testing.assert_close(turned.rotary_freqs, math.pi * 100.0 ** (-torch.arange(32, dtype=torch.float64) / 32),
                                rtol=1e-15, atol=0)
-    assert turned.state_shape[0] == plain.state_shape[0] + 1 and plain.core_state_shape == (4, 32, 32)
+    assert turned.state_shape[0] == plain.state_shape[0] + 1 and plain.core_state_shape == (4, 64, 32)
     state = turned.initial_state(2)
     x = torch.randn(2, 5, F_IN)
     _, final = turned(x, state, None)

@@ -229,32 +229,43 @@ def test_an_efla_run_saved_before_the_read_norm_default_resumes_as_it_was_traine
         assert all(sub.out_norm is None for sub in model.policy.modules() if hasattr(sub, "out_norm"))
 
 
-# the delta-rule memories' rotary settings before each of their defaults: the load's refusal, the settings that
-# load the model as it was trained, and rlseq.evaluate's note
-OLD_ROTARY_DEFAULTS = {
-    "no-rotary": ({"rotary_base": None},
+# the delta-rule memories' settings before each of their defaults: what rlseq then built (keyword defaults of the
+# delta-rule memories, class attributes of EFLA's), the load's refusal, and the settings that load the model as it
+# was trained (rlseq.evaluate's note names them)
+OLD_DEFAULTS = {
+    "no-rotary": ({"rotary_base": None}, {},
                   "saved without rotary positions .* load it with memory_kwargs rotary_base=None", "rotary_base=None"),
-    "fastest-1rad": ({"rotary_max_freq": 1.0}, r"saved with other rotary positions \(rotary_base=10000, "
+    "fastest-1rad": ({"rotary_max_freq": 1.0}, {}, r"saved with other rotary positions \(rotary_base=10000, "
                      r"rotary_max_freq=1\) than this memory's .*; load it with memory_kwargs rotary_base=10000, "
                      r"rotary_max_freq=1",
                      "rotary_base=10000, rotary_max_freq=1"),
+    "efla-heads-32": ({}, {"head_width": 1.0}, r"saved with other head sizes \(head_dim=32, value_dim=32\) than "
+                      r"this memory's \(head_dim=64, value_dim=32\); load it with memory_kwargs head_dim=32, "
+                      r"value_dim=32(?=\n|$)", "head_dim=32, value_dim=32"),
+    "efla-heads-32-1rad": ({"rotary_max_freq": 1.0}, {"head_width": 1.0},
+                           r"saved with other head sizes \(head_dim=32, value_dim=32\) than this memory's "
+                           r"\(head_dim=64, value_dim=32\), and with other rotary positions \(rotary_base=10000, "
+                           r"rotary_max_freq=1\); load it with memory_kwargs head_dim=32, value_dim=32, "
+                           r"rotary_base=10000, rotary_max_freq=1(?=\n|$)",
+                           "head_dim=32, value_dim=32, rotary_base=10000, rotary_max_freq=1"),
 }
 
 
-@pytest.mark.parametrize("old", OLD_ROTARY_DEFAULTS)
+@pytest.mark.parametrize("old", OLD_DEFAULTS)
 @pytest.mark.parametrize("algo", ["rlseq", "rlseq-critic-memory", "sb3-recurrent-ppo"])
-def test_a_run_saved_before_a_rotary_default_is_refused_at_resume_and_loads_as_it_was_trained(algo, old, tmp_path,
+def test_a_run_saved_before_a_memory_default_is_refused_at_resume_and_loads_as_it_was_trained(algo, old, tmp_path,
                                                                                                monkeypatch, capsys):
     """Rotary positions add no weights, so a checkpoint saved without them (or with other frequencies) would load
-    into today's default silently and read its memory differently: --resume refuses it in one line and leaves the
+    into today's default silently and read its memory differently; one saved with EFLA's earlier head sizes fails
+    on tensor shapes that do not say which settings made them. --resume refuses either in one line and leaves the
     folder as it was; the model itself loads with the settings the message names, and rlseq.evaluate plays it so."""
     from sb3_contrib import RecurrentPPO
     from stable_baselines3.common.save_util import load_from_zip_file
 
     from rlseq.algos import MemoryPPO
-    from rlseq.policies.memory import _DeltaRuleMemory
+    from rlseq.policies.memory import EFLAMemory, _DeltaRuleMemory, format_memory_kwargs, memory_kwargs_to_load
 
-    then, refusal, note = OLD_ROTARY_DEFAULTS[old]
+    then, efla_then, refusal, note = OLD_DEFAULTS[old]
     critic = algo == "rlseq-critic-memory"  # two delta-rule memories, actor's and critic's, to load alike
     algo = "rlseq" if critic else algo
     argv = [*BASE[:3], "efla", "--algo", algo, *BASE[4:], "--logdir", str(tmp_path),
@@ -262,6 +273,8 @@ def test_a_run_saved_before_a_rotary_default_is_refused_at_resume_and_loads_as_i
     with monkeypatch.context() as m:  # as rlseq built the delta-rule memories before that default
         for key, value in then.items():
             m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, key, value)
+        for key, value in efla_then.items():
+            m.setattr(EFLAMemory, key, value)
         train_main([*argv, "--total-steps", "32"])
     folder = tmp_path / ENV / ("efla" if algo == "rlseq" else "sb3-efla") / "seed0"
     (folder / "final_model.zip").unlink()
@@ -271,27 +284,29 @@ def test_a_run_saved_before_a_rotary_default_is_refused_at_resume_and_loads_as_i
         train_main([*argv, "--total-steps", "48", "--resume"])
     assert e.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "was saved with other rotary positions (or none)" in errors[0], errors
+    assert len(errors) == 1 and "was saved with other memory settings (head sizes or rotary positions)" in errors[0], errors
     assert re.search(f"The load said: .*{refusal}", errors[0]), errors  # names the settings it was trained with
     assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.name != ".lock"} == before
     cls = MemoryPPO if algo == "rlseq" else RecurrentPPO
     newest = folder / "checkpoints" / "step32" / "model.zip"
     with pytest.raises(RuntimeError, match=refusal):
         cls.load(newest, device="cpu")
+    trained = memory_kwargs_to_load(errors[0])  # what the message names, read back
+    assert format_memory_kwargs(trained) == note
     kwargs = load_from_zip_file(newest, device="cpu", load_data=True)[0]["policy_kwargs"]
-    kwargs = {**kwargs, "memory_kwargs": {**(kwargs.get("memory_kwargs") or {}), **then}}
+    kwargs = {**kwargs, "memory_kwargs": {**(kwargs.get("memory_kwargs") or {}), **trained}}
     model = cls.load(newest, device="cpu", custom_objects={"policy_kwargs": kwargs})
     assert model.num_timesteps == 32
     memories = [sub for sub in model.policy.modules() if isinstance(sub, _DeltaRuleMemory)]
     # sb3-contrib's RecurrentPPO has a critic memory of its own by default
     assert len(memories) == (1 if algo == "rlseq" and not critic else 2)
-    assert all(getattr(sub, key) == value for sub in memories for key, value in then.items())
+    assert all(getattr(sub, key) == value for sub in memories for key, value in trained.items())
     # playing it is safe: rlseq.evaluate loads it as it was trained and says so
     from rlseq.evaluate import evaluate
 
     played = evaluate(folder, 2, n_envs=2, device="cpu", progress=False)
     assert played["model"] == "checkpoints/step32/model.zip" and played["notes"] == [
-        f"model.zip was saved with other rotary positions than today's defaults: played with memory_kwargs {note}, "
+        f"model.zip was saved with other memory settings than today's defaults: played with memory_kwargs {note}, "
         "as it was trained"]
 
 
@@ -320,7 +335,7 @@ def test_a_model_of_the_rotary_option_is_played_with_the_frequencies_it_was_trai
     with pytest.raises(RuntimeError, match=r"\(rotary_base=10000, rotary_max_freq=1\) than this memory's"):
         MemoryPPO.load(path, device="cpu")
     played = evaluate(folder, 2, n_envs=2, device="cpu", progress=False)
-    assert played["notes"] == ["final_model.zip was saved with other rotary positions than today's defaults: played "
+    assert played["notes"] == ["final_model.zip was saved with other memory settings than today's defaults: played "
                                "with memory_kwargs rotary_base=10000, rotary_max_freq=1, as it was trained"]
 
 

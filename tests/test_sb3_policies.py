@@ -44,7 +44,7 @@ from tests.test_memory import _triton_ready  # noqa: E402
 
 TOL = 1e-5
 SMALL = {
-    "efla": dict(n_heads=2, head_dim=8, d_model=16),
+    "efla": dict(n_heads=2, head_dim=8, value_dim=8, d_model=16),
     "deltanet": dict(n_heads=2, head_dim=8, d_model=16),
     "gru": dict(hidden_size=16),
     "lstm": dict(hidden_size=16),
@@ -109,19 +109,20 @@ def test_impala_combined_extractor():
 @pytest.mark.parametrize("policy_class", [EflaMultiInputPolicy, DeltaNetMultiInputPolicy])
 def test_multi_input_policy_on_a_vector_only_dict_builds_the_default_width_memory(policy_class):
     # a Dict of vectors only: 4 + 1 features; the memory block projects them to its own width (d_model 128), so the
-    # default memory is 4 heads of d_model/4 (EFLA) or d_model/2 (DeltaNet), not a block as narrow as the features
+    # default memory is 4 heads with keys of d_model/2 and values of d_model/4 (EFLA) or both d_model/2 (DeltaNet),
+    # not a block as narrow as the features
     space = spaces.Dict({"pos": spaces.Box(-1.0, 1.0, (4,), np.float32), "flag": spaces.Box(0.0, 1.0, (1,), np.float32)})
     policy = policy_class(space, spaces.Discrete(3), lambda _: 1e-3)
     assert policy.features_dim == 5
-    heads = (4, 32) if policy_class is EflaMultiInputPolicy else (4, 64)
+    heads = (4, 64, 32) if policy_class is EflaMultiInputPolicy else (4, 64, 64)
     for memory in (policy.memory_actor, policy.memory_critic):
         assert memory.in_features == 5 and memory.d_model == 128 and memory.out_features == 128
-        assert (memory.n_heads, memory.head_dim) == heads
+        assert (memory.n_heads, memory.head_dim, memory.value_dim) == heads
     assert policy.lstm_output_dim == 128
     from rlseq.policies.actor_critic import MemoryPPOPolicy
 
     ours = MemoryPPOPolicy(space, spaces.Discrete(3), lambda _: 1e-3, memory=policy_class.default_memory)
-    assert ours.memory.d_model == 128 and (ours.memory.n_heads, ours.memory.head_dim) == heads
+    assert ours.memory.d_model == 128 and (ours.memory.n_heads, ours.memory.head_dim, ours.memory.value_dim) == heads
 
 
 # -- state packing and buffer sizing ------------------------------------------------------------------------
@@ -224,7 +225,7 @@ def test_training_is_one_kernel_call_per_minibatch(monkeypatch):
 def test_learn_save_load_predict_round_trip(policy, tmp_path: pathlib.Path):
     env = _cue_env(2)
     model = RecurrentPPO(policy, env, n_steps=16, batch_size=16, n_epochs=1, seed=1,
-                         policy_kwargs=dict(memory_kwargs=dict(n_heads=2, head_dim=8)))
+                         policy_kwargs=dict(memory_kwargs=dict(n_heads=2, head_dim=8, value_dim=8)))
     model.learn(64)
     _perturb(model.policy, seed=3, scale=0.5)  # make deterministic actions depend on the state
     path = tmp_path / "model.zip"
@@ -262,7 +263,7 @@ def test_a_drop_in_model_saved_before_the_read_norm_default_loads_as_it_was_trai
     with monkeypatch.context() as m:
         read_norm_off_by_default(m)
         model = RecurrentPPO(EflaMlpPolicy, env, n_steps=16, batch_size=16, n_epochs=1, seed=1, device="cpu",
-                             policy_kwargs=dict(memory_kwargs=dict(n_heads=2, head_dim=8)))
+                             policy_kwargs=dict(memory_kwargs=dict(n_heads=2, head_dim=8, value_dim=8)))
         model.learn(32)
         _perturb(model.policy, seed=3, scale=0.5)
         model.save(tmp_path / "model.zip")
@@ -329,7 +330,7 @@ def _procgen(n_envs: int = 2):
 def test_cnn_policies_on_procgen(policy):
     env = _procgen()
     model = RecurrentPPO(policy, env, n_steps=8, batch_size=8, n_epochs=1, seed=0,
-                         policy_kwargs=dict(memory_kwargs=dict(n_heads=2, head_dim=16)))
+                         policy_kwargs=dict(memory_kwargs=dict(n_heads=2, head_dim=16, value_dim=16)))
     assert isinstance(model.policy.features_extractor, ImpalaCNN)
     model.learn(16)
     obs = env.reset()
@@ -345,7 +346,7 @@ def test_multi_input_policy_on_procgen_with_prev_action_reward():
 
     env = PrevActionReward(_procgen())
     model = RecurrentPPO(EflaMultiInputPolicy, env, n_steps=8, batch_size=8, n_epochs=1, seed=0,
-                         policy_kwargs=dict(memory_kwargs=dict(n_heads=2, head_dim=16)))
+                         policy_kwargs=dict(memory_kwargs=dict(n_heads=2, head_dim=16, value_dim=16)))
     assert isinstance(model.policy.features_extractor, ImpalaCombinedExtractor)
     assert model.policy.features_dim == 256 + 15 + 1
     model.learn(16)
@@ -372,6 +373,8 @@ def one_thread():
 def _train_and_evaluate(kind: str) -> float:
     torch.manual_seed(0)
     env = make_vec_env(CueRecallEnv, n_envs=8, seed=0, env_kwargs=TASK)
+    # each rule's default key/value ratio (EFLA 16 × 8, DeltaNet 16 × 16). EFLA at 16 × 16 solved seeds 1-3 and
+    # not seed 0 on an AMD EPYC (it passed on another CPU); at 16 × 8 it solved seeds 0-11 there
     mem = dict(d_model=32, n_heads=2, head_dim=16)
     if kind == "efla":
         model = RecurrentPPO(EflaMlpPolicy, env, policy_kwargs=dict(net_arch=[32], memory_kwargs=mem), **PPO_ARGS)

@@ -30,7 +30,7 @@ class SequenceRolloutBuffer:
 
     Observations keep their dtype (uint8 images stay uint8: 4× less memory and copy than float32). The
     memory state is stored **once per environment per rollout**, at its start, never per step: a matrix
-    memory of 4 heads × 32 × 32 would otherwise cost 16 KB per step per env.
+    memory of 4 heads × 64 × 32 would otherwise cost 32 KB per step per env.
 
     Shapes: ``[n_steps, n_envs, ...]`` per field; :meth:`minibatches` yields env subsets transposed to
     ``[B, n_steps, ...]``.

@@ -56,6 +56,7 @@ module never re-implements the recurrence.
 from __future__ import annotations
 
 import abc
+import ast
 import math
 import warnings
 from collections.abc import Mapping
@@ -90,10 +91,12 @@ DEFAULT_ROTARY_BASE = 10000.0
 # query for "8 steps back" also reads 7 and 9 back: under PPO the answers matched lags 7 / 8 / 9 at 0.48 /
 # 0.66 / 0.47 and lag 8 stalled at +0.31; at π it reaches +0.98 (docs/memory.md)
 DEFAULT_ROTARY_MAX_FREQ = math.pi
-# how a load refuses a state saved without rotary positions or with others (rotary_refusal finds the line for
-# rlseq.resume and rlseq.evaluate)
+# how a load refuses a state saved without rotary positions, with others or with other head sizes
+# (settings_refusal finds the line for rlseq.resume and rlseq.evaluate, memory_kwargs_to_load reads its settings)
 SAVED_WITHOUT_ROTARY = "the state was saved without rotary positions"
 SAVED_WITH_OTHER_ROTARY = "the state was saved with other rotary positions"
+SAVED_WITH_OTHER_HEADS = "the state was saved with other head sizes"
+LOAD_BY = "load it with memory_kwargs "
 OUTPUT_NORM_EPS = 1e-5  # the delta-rule cores' read norm (flash-linear-attention's norm_eps)
 
 __all__ = [
@@ -115,7 +118,8 @@ __all__ = [
     "memory_class",
     "format_memory_kwargs",
     "rotary_frequencies",
-    "rotary_refusal",
+    "settings_refusal",
+    "memory_kwargs_to_load",
     "rotary_settings",
     "saved_without_read_norm",
     "with_rotary_freqs_of_option_saves",
@@ -323,7 +327,8 @@ class _DeltaRuleMemory(Memory):
     and the starting β). See :class:`EFLAMemory` for the architecture and its reasons."""
 
     rule: str
-    head_width: float  # default head_dim · n_heads / d_model
+    head_width: float  # default head_dim · n_heads / d_model (keys and queries)
+    value_width: float  # default value_dim · n_heads / d_model
 
     def __init__(
         self,
@@ -351,7 +356,9 @@ class _DeltaRuleMemory(Memory):
         self.n_heads = int(n_heads)
         self.head_dim = (int(head_dim) if head_dim is not None
                          else max(1, round(self.head_width * self.d_model / self.n_heads)))
-        self.value_dim = int(value_dim) if value_dim is not None else self.head_dim
+        # values keep the rule's ratio to the keys (EFLA: half as wide; DeltaNet: as wide) when only keys are given
+        self.value_dim = (int(value_dim) if value_dim is not None
+                          else max(1, round(self.head_dim * self.value_width / self.head_width)))
         if self.head_dim < 1 or self.value_dim < 1:
             raise ValueError(f"head_dim and value_dim must be >= 1, got {self.head_dim}, {self.value_dim}")
         self.query_norm = bool(query_norm)
@@ -436,30 +443,69 @@ class _DeltaRuleMemory(Memory):
                               error_msgs):
         # a state that holds this memory's weights but other rotary positions: refused with the setting to load
         # it by, since its weights would load without complaint into a memory that reads its state differently.
+        # Other head sizes: torch's size mismatches would name tensors, not the settings to load it by.
         # (Module.load_state_dict passes strict=True here whatever its caller asked: a state without this
         # memory's weights is what a partial load leaves unchecked)
         if f"{prefix}out_proj.weight" in state_dict:
-            saved = state_dict.get(f"{prefix}rotary_freqs")
-            if self.rotary_base is None and saved is not None:
-                error_msgs.append(f"{prefix}rotary_freqs: {SAVED_WITH_OTHER_ROTARY} ({_settings_text(saved)}) and "
-                                  f"this memory has none; load it with memory_kwargs {_settings_text(saved)}")
-                return
-            if self.rotary_base is not None and saved is None:
-                where = prefix.rstrip(".") or type(self).__name__
-                error_msgs.append(f"{where}: {SAVED_WITHOUT_ROTARY} (before they became the delta-rule default, "
-                                  f"or with rotary_base=None) and this memory has "
-                                  f"rotary_base={self.rotary_base:g}; load it with memory_kwargs rotary_base=None")
-                return
-            # float32 rounding allowed (a state converted on its way); other settings differ far more (another
-            # head size: the weights' own size mismatches say so, below)
-            if saved is not None and saved.shape == self.rotary_freqs.shape and not torch.allclose(
-                    saved.double().cpu(), self.rotary_freqs.double().cpu(), rtol=1e-6, atol=0.0):
-                error_msgs.append(f"{prefix}rotary_freqs: {SAVED_WITH_OTHER_ROTARY} ({_settings_text(saved)}) than "
-                                  f"this memory's ({_settings_text(self.rotary_freqs)}); load it with memory_kwargs "
-                                  f"{_settings_text(saved)}")
+            refusal = self._refusal(state_dict, prefix)
+            if refusal is not None:
+                error_msgs.append(refusal)
                 return
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+    def _saved_head_sizes(self, state_dict, prefix) -> tuple[int, int]:
+        """``(head_dim, value_dim)`` of a saved state of this memory, read from its projections' shapes at this
+        memory's ``n_heads`` (this memory's own sizes when they cannot be read so: torch's size checks then
+        speak)."""
+        H, qkv, out = self.n_heads, state_dict.get(f"{prefix}qkv.weight"), state_dict.get(f"{prefix}out_proj.weight")
+        if qkv is None or out is None or out.ndim != 2 or qkv.ndim != 2:
+            return self.head_dim, self.value_dim
+        values, keys = out.shape[1], qkv.shape[0] - out.shape[1]  # H·V; the queries' and keys' 2·H·K
+        if values % H or keys <= 0 or keys % (2 * H):
+            return self.head_dim, self.value_dim
+        return keys // (2 * H), values // H
+
+    def _refusal(self, state_dict, prefix) -> str | None:
+        """Why a saved state of this memory cannot load into it as it was trained, naming the ``memory_kwargs``
+        to load it by, or None. Other head sizes (e.g. EFLA's before its keys became 64 wide) and other rotary
+        positions (none, or another ladder, compared at the saved head size) are found together, so one message
+        names every setting."""
+        K, V = self._saved_head_sizes(state_dict, prefix)
+        other_heads = (K, V) != (self.head_dim, self.value_dim)
+        settings = {"head_dim": K, "value_dim": V} if other_heads else {}
+        saved = state_dict.get(f"{prefix}rotary_freqs")
+        rotary = None  # how the saved rotary positions differ from this memory's
+        if self.rotary_base is None and saved is not None:
+            rotary = "none"
+        elif self.rotary_base is not None and saved is None:
+            rotary = "without"
+        elif saved is not None:
+            # float32 rounding allowed (a state converted on its way); other settings differ far more. A ladder
+            # of another length (a head count the shapes do not tell) is left to torch's size checks
+            mine = rotary_frequencies(K, self.rotary_base, self.rotary_max_freq)
+            if saved.shape == mine.shape and not torch.allclose(saved.double().cpu(), mine, rtol=1e-6, atol=0.0):
+                rotary = "other"
+        if rotary is None and not other_heads:
+            return None
+        settings.update({"rotary_base": None} if rotary == "without" else
+                        rotary_settings(saved) if rotary is not None else {})
+        load_by = LOAD_BY + format_memory_kwargs(settings)
+        if not other_heads:
+            if rotary == "none":
+                return (f"{prefix}rotary_freqs: {SAVED_WITH_OTHER_ROTARY} ({_settings_text(saved)}) and this memory "
+                        f"has none; {load_by}")
+            if rotary == "without":
+                where = prefix.rstrip(".") or type(self).__name__
+                return (f"{where}: {SAVED_WITHOUT_ROTARY} (before they became the delta-rule default, or with "
+                        f"rotary_base=None) and this memory has rotary_base={self.rotary_base:g}; {load_by}")
+            return (f"{prefix}rotary_freqs: {SAVED_WITH_OTHER_ROTARY} ({_settings_text(saved)}) than this memory's "
+                    f"({_settings_text(self.rotary_freqs)}); {load_by}")
+        rotary_text = ("" if rotary is None else ", and without rotary positions" if rotary == "without" else
+                       f", and with rotary positions ({_settings_text(saved)}) where this memory has none"
+                       if rotary == "none" else f", and with other rotary positions ({_settings_text(saved)})")
+        return (f"{prefix}qkv.weight: {SAVED_WITH_OTHER_HEADS} (head_dim={K}, value_dim={V}) than this memory's "
+                f"(head_dim={self.head_dim}, value_dim={self.value_dim}){rotary_text}; {load_by}")
 
     # -- the parts that differ between EFLA and DeltaNet -------------------------------------------------
     def _keys(self, k_raw: torch.Tensor) -> torch.Tensor:
@@ -590,9 +636,11 @@ class EFLAMemory(_DeltaRuleMemory):
       cost nothing on RepeatFirstMedium (``docs/memory.md``).
     - **State** ``[B, H·K·V + 1 + (W-1)·d]`` float32; :meth:`state_parts` gives the core's state and the window
       ``[B, W-1, d]`` as views, :meth:`matrix_and_position` the matrix ``[B, H, K, V]`` and the position.
-    - Defaults ``n_heads=4``, ``head_dim = value_dim = d_model / n_heads`` (32 at the default width 128):
-      4·32·32 = 4096 floats of matrix state per sequence. (Chosen over heads of 64 on RepeatFirstMedium under an
-      earlier critic; ``docs/memory.md`` has the probe and says which choices have not been probed again.)
+    - Defaults ``n_heads=4``, keys ``head_dim = 2·d_model / n_heads`` and values ``value_dim = head_dim / 2`` (64
+      and 32 at the default width 128): 4·64·32 = 8,192 floats of matrix state per sequence. Keys of 64 give the
+      rotary ladder 32 pairs (DeltaNet's), which carried lag 16 under PPO (+0.41 → +0.89 over heads of 32), and
+      values of 32 keep RepeatFirstMedium, which heads of 64 lost (``docs/memory.md``, "EFLA's keys of 64, values
+      of 32"). Given ``head_dim`` alone, ``value_dim`` is half of it.
 
     Args:
         in_features: F, size of ``x``.
@@ -629,7 +677,8 @@ class EFLAMemory(_DeltaRuleMemory):
 
     name = "efla"
     rule = "efla"
-    head_width = 1.0
+    head_width = 2.0
+    value_width = 1.0
 
     def __init__(self, in_features: int, *, key_norm_cap: float | None = None, **kwargs: Any) -> None:
         if key_norm_cap is not None and not (math.isfinite(key_norm_cap) and key_norm_cap > 0):
@@ -678,11 +727,22 @@ def rotary_settings(freqs: torch.Tensor) -> dict[str, float]:
     return {"rotary_base": base, "rotary_max_freq": max_freq}
 
 
-def rotary_refusal(error: BaseException) -> str | None:
-    """The line of a load's ``error`` that refuses a state for its rotary positions (saved without them or with
-    others, naming the settings to load it by), or None when the load failed for another reason."""
-    return next((line.strip() for line in str(error).splitlines()
-                 if SAVED_WITHOUT_ROTARY in line or SAVED_WITH_OTHER_ROTARY in line), None)
+def settings_refusal(error: BaseException) -> str | None:
+    """The line of a load's ``error`` that refuses a delta-rule memory's state for the settings it was trained
+    with (other head sizes, rotary positions saved without or with others), naming the ``memory_kwargs`` to load
+    it by, or None when the load failed for another reason."""
+    markers = (SAVED_WITHOUT_ROTARY, SAVED_WITH_OTHER_ROTARY, SAVED_WITH_OTHER_HEADS)
+    return next((line.strip() for line in str(error).splitlines() if any(m in line for m in markers)), None)
+
+
+def memory_kwargs_to_load(refusal: str) -> dict[str, Any]:
+    """The ``memory_kwargs`` a :func:`settings_refusal` line names (``"... load it with memory_kwargs head_dim=32,
+    rotary_base=None"`` → ``{"head_dim": 32, "rotary_base": None}``)."""
+    if LOAD_BY not in refusal:
+        raise ValueError(f"not a settings refusal: {refusal!r}")
+    text = refusal.rsplit(LOAD_BY, 1)[1].strip()
+    pairs = (item.split("=", 1) for item in text.split(", "))
+    return {k.strip(): ast.literal_eval(v.strip()) for k, v in pairs}
 
 
 def format_memory_kwargs(settings: Mapping[str, Any]) -> str:
@@ -727,13 +787,14 @@ class DeltaNetMemory(_DeltaRuleMemory):
     state tracking. Every other choice (and argument) is as in :class:`EFLAMemory` but the default head size:
     ``head_dim = value_dim = 2·d_model / n_heads`` (64 at the default width, a 16,384-float matrix), DeltaNet's
     best of the width probe on the memory benchmark (RepeatFirstMedium 0.76 / 1.00 / 0.97 against 0.58 / 0.46 /
-    0.48 with heads of 32; ``docs/memory.md``). ``head_dim=32`` gives EFLA's width, for a comparison of the rules
+    0.48 with heads of 32; ``docs/memory.md``). ``value_dim=32`` gives EFLA's sizes, for a comparison of the rules
     alone. The diagnostics' ``gate`` is β.
     """
 
     name = "deltanet"
     rule = "deltanet"
     head_width = 2.0
+    value_width = 2.0
 
     def __init__(self, in_features: int, *, allow_negative_eigenvalues: bool = False, **kwargs: Any) -> None:
         self.allow_negative_eigenvalues = bool(allow_negative_eigenvalues)
