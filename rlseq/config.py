@@ -63,10 +63,18 @@ def _real(low: float | None = None, high: float | None = None, *, above: bool = 
     def check(value: Any) -> float:
         number = _number(value)
         if (low is not None and (number < low or (above and number == low))) or (high is not None and number > high):
-            raise ValueError(f"must be {'>' if above else '>='} {low:g}" + (f" and <= {high:g}" if high is not None else ""))
+            raise ValueError(f"must be {'>' if above else '>='} {_bound(low)}" +
+                             (f" and <= {_bound(high)}" if high is not None else ""))
         return number
 
     return check
+
+
+def _bound(x: float) -> str:
+    """``x`` in the fewest digits that give it back (π named): "<= 3.14159" would refuse 3.1416 as above a bound
+    that reads as below it."""
+    text = f"{x:g}" if float(f"{x:g}") == x else repr(x)
+    return f"π ({text})" if x == math.pi else text
 
 
 def _number(value: Any) -> float:

@@ -1124,6 +1124,9 @@ def test_rotary_positions_add_one_counter_to_the_state_and_bad_settings_are_refu
     assert memory_kwargs_problems({"efla": {"rotary_base": 1}}, "f.yml") == [
         "memory_kwargs efla rotary_base 1 must be > 1 and <= 1e+12 (f.yml)"]
     assert memory_kwargs_problems({"efla": {"rotary_max_freq": 4}}, "f.yml") == [
-        "memory_kwargs efla rotary_max_freq 4 must be > 0 and <= 3.14159 (f.yml)"]
+        "memory_kwargs efla rotary_max_freq 4 must be > 0 and <= π (3.141592653589793) (f.yml)"]
+    # π rounded up reads as π in the message, which says why it is refused
+    assert memory_kwargs_problems({"efla": {"rotary_max_freq": 3.1416}}, "f.yml") == [
+        "memory_kwargs efla rotary_max_freq 3.1416 must be > 0 and <= π (3.141592653589793) (f.yml)"]
     assert "unknown memory_kwargs key 'rotary_base' of gru" in memory_kwargs_problems(
         {"gru": {"rotary_base": 100}}, "f.yml")[0]
