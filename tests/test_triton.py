@@ -9,6 +9,7 @@ module: ``@triton.jit`` decides at import whether a kernel is interpreted, for e
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
@@ -374,7 +375,14 @@ def test_gpu_check_runs_its_checks():
 
     errs = check_chunk(2, 20, 1, 16, "efla", torch.float32, DEVICE)
     assert set(errs) == {"o", "S", "dq", "dk", "dv", "dbeta", "dinitial_state"} and max(errs.values()) < 1e-4, errs
+    errs = check_chunk(2, 20, 1, 16, "efla", torch.float32, DEVICE, V=8)  # K ≠ V, as EFLA's default 64 × 32
+    assert max(errs.values()) < 1e-4, errs
     assert check_step("deltanet", 16, 16, DEVICE, B=3, H=1, T=4) < 1e-4
+    from rlseq.bench.gpu_check import head_sizes
+
+    assert head_sizes("64") == (64, 64) and head_sizes("64x32") == (64, 32)
+    with pytest.raises(argparse.ArgumentTypeError, match="a head size is K or KxV"):
+        head_sizes("64y32")
 
 
 def test_this_file_leaves_triton_interpret_and_the_kernels_alone():

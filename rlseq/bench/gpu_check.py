@@ -2,7 +2,7 @@
 
 1. Correctness: ``chunk_rule(backend="triton")`` forward and backward (o, final state, dq, dk, dv, dβ, dS₀) and
    ``step_rule(backend="triton")`` on CUDA tensors against the float64 step loop (run on the GPU), for both rules,
-   fp32 and bf16, head dims ``--dims``, at a small batch (two V blocks) and at B·H = 256 (one V block, the
+   fp32 and bf16, head sizes ``--dims`` (``K`` or ``KxV``; the default includes EFLA's shipped 64x32), at a small batch (two V blocks) and at B·H = 256 (one V block, the
    large-batch row of the launch table), with resets, a zero key and key norms 1e-4..1e4; EFLA also with key norms
    up to 1e30. The compiled kernels can fail where the interpreted ones of the CPU tests pass (a miscompile, the
    TF32 dot precision), so this runs after every kernel change.
@@ -37,14 +37,16 @@ def _grads(inp, rule, dtype, backend, do, ds):
     return {"o": o.detach(), "S": s.detach(), **{"d" + n: x[n].grad for n in FIELDS}}
 
 
-def check_chunk(B, T, H, D, rule, dtype, device, key_norms=(1e-4, 1e4)) -> dict[str, float]:
-    """Relative error of every output and gradient of the Triton backend against the float64 oracle."""
-    inp = random_inputs(B, T, H, D, D, rule=rule, key_norms=key_norms, generator=torch.Generator().manual_seed(D),
-                        device=device)
+def check_chunk(B, T, H, K, rule, dtype, device, key_norms=(1e-4, 1e4), V=None) -> dict[str, float]:
+    """Relative error of every output and gradient of the Triton backend against the float64 oracle (values of
+    ``V``, default ``K``)."""
+    V = K if V is None else V
+    inp = random_inputs(B, T, H, K, V, rule=rule, key_norms=key_norms,
+                        generator=torch.Generator().manual_seed(K * 1000 + V), device=device)
     inp["k"][0, min(3, T - 1), 0] = 0.0
     g = torch.Generator().manual_seed(99)
-    do = torch.randn(B, T, H, D, generator=g, dtype=torch.float64).to(device)
-    ds = torch.randn(B, H, D, D, generator=g, dtype=torch.float64).to(device)
+    do = torch.randn(B, T, H, V, generator=g, dtype=torch.float64).to(device)
+    ds = torch.randn(B, H, K, V, generator=g, dtype=torch.float64).to(device)
     ref = _grads(inp, rule, dtype, "reference", do, ds)
     got = _grads(inp, rule, dtype, "triton", do, ds)
     return {n: rel_err(got[n], ref[n]) for n in ref}
@@ -68,19 +70,19 @@ def check_step(rule, K, V, device, B=33, H=4, T=20) -> float:
 def correctness(device, dims) -> int:
     """Every check, one line each; returns the number of failures."""
     t0, failures = time.time(), 0
-    jobs = [(rule, D, dt, B, T, (1e-4, 1e4)) for rule in ("efla", "deltanet") for D in dims
+    jobs = [(rule, K, V, dt, B, T, (1e-4, 1e4)) for rule in ("efla", "deltanet") for K, V in dims
             for dt in (torch.float32, torch.bfloat16) for B, T in ((2, 100), (64, 40))]
-    jobs += [("efla", D, torch.float32, 2, 100, (1e-4, 1e30)) for D in dims]
-    for rule, D, dt, B, T, norms in jobs:
-        errs = check_chunk(B, T, 4, D, rule, dt, device, norms)
+    jobs += [("efla", K, V, torch.float32, 2, 100, (1e-4, 1e30)) for K, V in dims]
+    for rule, K, V, dt, B, T, norms in jobs:
+        errs = check_chunk(B, T, 4, K, rule, dt, device, norms, V=V)
         worst = max(errs.values())
         ok = worst <= TOL[dt]
         failures += not ok
-        print(f"[{time.time() - t0:4.0f}s] chunk {rule:8s} {str(dt)[6:]:8s} B{B} T{T} H4 D{D} norms<={norms[1]:.0e} "
+        print(f"[{time.time() - t0:4.0f}s] chunk {rule:8s} {str(dt)[6:]:8s} B{B} T{T} H4 K{K} V{V} norms<={norms[1]:.0e} "
               f"max {worst:.1e} {'OK' if ok else 'FAIL'}  " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()),
               flush=True)
     for rule in ("efla", "deltanet"):
-        for K, V in ((D, D) for D in dims):
+        for K, V in dims:
             worst = check_step(rule, K, V, device)
             failures += worst > 1e-4
             print(f"[{time.time() - t0:4.0f}s] step  {rule:8s} K{K} V{V} max {worst:.1e} "
@@ -118,8 +120,21 @@ def breakdown(device, shapes, iters: int = 20) -> None:
         print(f"| {shape} | **all kernels** | {sum(per.values()):.3f} |", flush=True)
 
 
+def head_sizes(text: str) -> tuple[int, int]:
+    """``"64"`` → (64, 64), ``"64x32"`` → (64, 32): a ``--dims`` entry."""
+    try:
+        K, V = (int(x) for x in text.split("x")) if "x" in text else (int(text), int(text))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a head size is K or KxV, e.g. 64 or 64x32") from None
+    if K < 1 or V < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: head sizes must be >= 1")
+    return K, V
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dims", type=int, nargs="+", default=[16, 32, 64, 128], help="head dims (K = V) checked")
+    parser.add_argument("--dims", type=head_sizes, nargs="+", default=[(16, 16), (32, 32), (64, 64), (128, 128), (64, 32)],
+                        metavar="K|KxV", help="head sizes checked: K (values as wide) or KxV (default: 16 32 64 128 "
+                        "64x32, the last EFLA's shipped keys and values)")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     parser.add_argument("--time", action="store_true", help="then the kernels table at the RL shapes (fla rows too)")
     parser.add_argument("--breakdown", action="store_true", help="then the device time per kernel")
