@@ -61,6 +61,15 @@ RULES: list[tuple[str, str | list[str]]] = [
     (r"-m rlseq\.sweep .*--status", []),
     (r"-m rlseq\.sweep ", "a grid of GPU runs (its --dry-run and --status lines run)"),
 ]
+# (pattern on the command, code, file, text): a budget no flag sets, as code that runs in the command's own process
+# just before the command (after the fork: nowhere else), and the text the command then writes into the file (in the
+# scratch folder), which shows that the budget took. The published report's bootstrap CIs take 2000 resamples each,
+# a minute of rliable here; 100 run the same code (tests/test_bench_memory.py checks the report's numbers)
+PRELUDES: list[tuple[str, str, str, str]] = [
+    (r"-m rlseq\.bench memory --report-only --out docs/memory_benchmark",
+     "import rlseq.bench.memory_report as R; R.write_report.__kwdefaults__['reps'] = 100",
+     "docs/memory_benchmark.md", "(rliable, 100 resamples"),
+]
 
 
 def readme_blocks(text: str) -> list[tuple[str, str]]:
@@ -151,6 +160,8 @@ for line in sys.stdin:
         try:
             if "module" in job:
                 sys.argv, sys.path[0] = ["-m", *job["args"]], os.getcwd()
+                if "prelude" in job:
+                    exec(compile(job["prelude"], "<prelude>", "exec"), {})
                 runpy._run_module_as_main(job["module"])
             else:
                 sys.argv, main = ["-c"], types.ModuleType("__main__")
@@ -232,8 +243,9 @@ def test_the_runner_runs_a_module_as_python_m_does(runner, tmp_path):
 
 
 @pytest.mark.parametrize("index", range(len(STEPS)), ids=[f"{i}:{t[:50]}" for i, (_, t) in enumerate(STEPS)])
-def test_readme_step_runs(index, runner, tmp_path):
+def test_readme_step_runs(index, runner, workdir, tmp_path):
     kind, text = STEPS[index]
+    preludes = [p for p in PRELUDES if kind == "bash" and re.search(p[0], text)]
     if kind == "python":
         skip, job = None, {"code": shrink_snippet(text)}
     else:
@@ -241,8 +253,18 @@ def test_readme_step_runs(index, runner, tmp_path):
         if not skip:
             assert argv[:2] == [sys.executable, "-m"], f"not a `python -m` command: {text}"
             job = {"module": argv[2], "args": argv[3:]}
+            if preludes:
+                job["prelude"] = preludes[0][1]
     if skip:
         pytest.skip(skip)
     code, stdout, stderr = run_step(runner, job, tmp_path)
     assert code == 0, (f"README {kind} step failed ({code}): {text}\n"
                        f"--- stdout\n{stdout[-3000:]}\n--- stderr\n{stderr[-3000:]}")
+    for _, _, file, written in preludes:
+        assert written in (workdir / file).read_text(), f"the budget did not reach {file}: {text}"
+
+
+def test_every_prelude_meets_a_readme_command():
+    """A prelude whose command has left the README (or changed) would silently stop shrinking anything."""
+    for pattern, *_ in PRELUDES:
+        assert sum(kind == "bash" and bool(re.search(pattern, text)) for kind, text in STEPS) == 1, pattern
