@@ -563,6 +563,12 @@ def test_the_first_stop_signal_repeated_at_once_is_one_stop_and_anything_else_is
     assert late == [signal.SIGINT, signal.SIGINT]
 
 
+# a budget the runs of a stopped grid cannot finish before the stop reaches them: each waits for its first checkpoint
+# (a tenth of the budget, ~4 s of training on one core of a 2-core machine), and the rest is ~9x that (200,000 steps
+# doubled the wait for nothing)
+STOP_BUDGET = 100_000
+
+
 @pytest.mark.parametrize("sig,seeds,jobs,group", [("SIGTERM", 3, 1, False), ("SIGINT", 2, 2, False),
                                                   ("SIGTERM", 2, 2, True)])
 def test_a_stopped_grid_says_so_in_one_line_and_starts_nothing_more(tmp_path, sig, seeds, jobs, group):
@@ -575,9 +581,9 @@ def test_a_stopped_grid_says_so_in_one_line_and_starts_nothing_more(tmp_path, si
 
     out, logdir = tmp_path / "bench", tmp_path / "runs"
     argv = [sys.executable, "-m", "rlseq.bench", "memory", "--tasks", T1, "--variants", "none", "--seeds",
-            *map(str, range(seeds)), "--steps", "200000", "--n-envs", "4", "--n-steps", "32", "--n-minibatches", "2",
-            "--episodes", "8", "--jobs", str(jobs), "--out", str(out), "--logdir", str(logdir)]
-    runs = [M.BenchRun(T1, "none", s, 200_000) for s in range(seeds)]
+            *map(str, range(seeds)), "--steps", str(STOP_BUDGET), "--n-envs", "4", "--n-steps", "32", "--n-minibatches",
+            "2", "--episodes", "8", "--jobs", str(jobs), "--out", str(out), "--logdir", str(logdir)]
+    runs = [M.BenchRun(T1, "none", s, STOP_BUDGET) for s in range(seeds)]
     started = runs[:jobs]  # seed-major: the first `jobs` seeds start, the rest wait
     proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=group)
