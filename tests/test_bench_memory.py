@@ -107,9 +107,16 @@ def _synthetic(out: Path) -> None:
     R.random_path(out, T1).write_text(json.dumps({"task": T1, "mean": -0.5, "episodes": 8}))
 
 
-def test_the_report_names_the_variants_of_each_ppo_setting(tmp_path):
+def _few_resamples(monkeypatch) -> None:
+    """The report's bootstrap CIs with 100 resamples instead of 2000 (write_report's default, which
+    ``--report-only`` uses too): the same code; the two-seed CIs checked below are each the range of the seeds."""
+    monkeypatch.setitem(R.write_report.__kwdefaults__, "reps", 100)
+
+
+def test_the_report_names_the_variants_of_each_ppo_setting(tmp_path, monkeypatch):
     """Variants trained with other PPO settings (another algo, a memory's own learning rate) are each named
     under their setting."""
+    _few_resamples(monkeypatch)
     out = tmp_path / "memory_benchmark"
     _synthetic(out)
     for path in (out / "results").rglob("*.json"):
@@ -125,12 +132,14 @@ def test_the_report_names_the_variants_of_each_ppo_setting(tmp_path):
     assert "PPO (sb3-lstm): algo sb3-recurrent-ppo, n_envs 4." in text
 
 
-def test_the_report_from_synthetic_result_files(tmp_path):
+def test_the_report_from_synthetic_result_files(tmp_path, monkeypatch):
+    _few_resamples(monkeypatch)
     out = tmp_path / "memory_benchmark"
     _synthetic(out)
     path = R.write_report(out)
     assert path == tmp_path / "memory_benchmark.md"
     text = path.read_text()
+    assert "(rliable, 100 resamples" in text  # the command line below reads the same default
     assert (out / R.CURVES_PNG).read_bytes()[:8] == PNG_MAGIC
     assert "![learning curves](memory_benchmark/curves.png)" in text
     assert "| task | random | efla | none | sb3-lstm |" in text
