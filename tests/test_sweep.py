@@ -277,17 +277,27 @@ def test_the_loopback_switch_is_what_stops_ray_rewriting_a_loopback_address(env,
 
 
 # --- tiny sweeps on the CPU -----------------------------------------------------------------------------
+# These sweeps train, on a POPGym env: its trainer starts ~2 s sooner than procgen's caveflyer with its IMPALA CNN,
+# and what they test is the sweep around its trainer processes. Caveflyer runs of the training CLI are tested in
+# tests/test_train.py; the caveflyer sweep files' runs and flags (procgen's --num-threads too) in the grid tests above.
+ENV = "popgym-RepeatPreviousEasy-v0"
+TRAIN = {k: v for k, v in TINY.items() if k != "num_threads"}  # --num-threads is a procgen option
+
+
+def _training_sweep(tmp_path: Path, flags: dict | None = None, **overrides) -> Path:
+    return _sweep_file(tmp_path, envs=[ENV], flags={"total_steps": 32, **TRAIN, **(flags or {})}, **overrides)
+
 
 
 def test_a_tiny_sweep_runs_in_parallel_and_a_second_invocation_starts_nothing(tmp_path, capsys):
-    path = _sweep_file(tmp_path, memories=["efla", "none"])
+    path = _training_sweep(tmp_path, memories=["efla", "none"])
     assert S.main(_cpu(path, "--parallel", "2")) == 0
     out = capsys.readouterr().out
     assert "2 runs, 0 finished already, 2 to run on 2 slots" in out and "2 finished, 0 failed" in out
-    runs = tmp_path / "runs" / "caveflyer"
+    runs = tmp_path / "runs" / ENV
     folders = [runs / "efla-tiny" / "seed0", runs / "none-tiny" / "seed0"]
     status = _status(tmp_path)
-    assert list(status) == ["caveflyer/efla-tiny/seed0", "caveflyer/none-tiny/seed0"]
+    assert list(status) == [f"{ENV}/efla-tiny/seed0", f"{ENV}/none-tiny/seed0"]
     for folder, row in zip(folders, status.values()):
         assert (folder / "final_model.zip").exists() and (folder / "config.yaml").exists()
         assert list(folder.glob("events.out.tfevents.*"))
@@ -315,8 +325,8 @@ def test_a_tiny_sweep_runs_in_parallel_and_a_second_invocation_starts_nothing(tm
 
 def test_a_stopped_sweep_resumes_its_run_from_the_last_checkpoint(tmp_path, capsys):
     # a budget the run cannot finish before the signal reaches it through Ray
-    path = _sweep_file(tmp_path, flags={"total_steps": 100_000, "checkpoint_every": 32, **TINY})
-    run = tmp_path / "runs" / "caveflyer" / "efla-tiny" / "seed0"
+    path = _training_sweep(tmp_path, flags={"total_steps": 100_000, "checkpoint_every": 32})
+    run = tmp_path / "runs" / ENV / "efla-tiny" / "seed0"
     latest = run / "checkpoints" / "latest"
     sweep = subprocess.Popen([sys.executable, "-m", "rlseq.sweep", *_cpu(path)], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, env=dict(os.environ))
@@ -335,7 +345,7 @@ def test_a_stopped_sweep_resumes_its_run_from_the_last_checkpoint(tmp_path, caps
     assert not (run / "final_model.zip").exists(), "the run finished before the signal reached it"
     saved = int(latest.read_text().strip()[len("step"):])
     assert 32 <= saved < 100_000
-    row = _status(tmp_path)["caveflyer/efla-tiny/seed0"]
+    row = _status(tmp_path)[f"{ENV}/efla-tiny/seed0"]
     # the training process checkpoints on SIGTERM and exits 128 + SIGTERM
     assert row["state"] == "stopped" and row["returncode"] == 128 + signal.SIGTERM and row["steps"] == saved
     assert S.main([str(path), "--status"]) == 0
@@ -343,13 +353,13 @@ def test_a_stopped_sweep_resumes_its_run_from_the_last_checkpoint(tmp_path, caps
 
     # the budget may change on resume: two more rollouts finish the run
     total = saved + 64
-    _sweep_file(tmp_path, flags={"total_steps": total, "checkpoint_every": 32, **TINY})
+    _training_sweep(tmp_path, flags={"total_steps": total, "checkpoint_every": 32})
     assert S.main(_cpu(path)) == 0
     assert f"from step {saved}" in capsys.readouterr().out
     log = (run / "train.log").read_text()
     assert f"resuming {run} from step{saved} ({saved} env steps done)" in log
     assert f"done: {total} env steps" in log and log.count("=== ") == 2
-    row = _status(tmp_path)["caveflyer/efla-tiny/seed0"]
+    row = _status(tmp_path)[f"{ENV}/efla-tiny/seed0"]
     assert row["state"] == "done" and row["steps"] == total
     from rlseq.algos import MemoryPPO
 
@@ -361,8 +371,8 @@ def test_a_sweep_started_in_the_background_stops_its_trainer_on_a_signal(tmp_pat
     """``python -m rlseq.sweep ... &`` in a script: the shell starts it with SIGINT ignored, which Ray's workers
     inherit, and Ray's cancel (an interrupt of the task's thread) does nothing where SIGINT is ignored. The
     trainer must still get its SIGTERM, checkpoint and exit 128 + SIGTERM, on either signal to the sweep."""
-    path = _sweep_file(tmp_path, flags={"total_steps": 100_000, "checkpoint_every": 32, **TINY})
-    run = tmp_path / "runs" / "caveflyer" / "efla-tiny" / "seed0"
+    path = _training_sweep(tmp_path, flags={"total_steps": 100_000, "checkpoint_every": 32})
+    run = tmp_path / "runs" / ENV / "efla-tiny" / "seed0"
     latest = run / "checkpoints" / "latest"
     sweep = subprocess.Popen([sys.executable, "-m", "rlseq.sweep", *_cpu(path)], stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, env=dict(os.environ),
@@ -382,7 +392,7 @@ def test_a_sweep_started_in_the_background_stops_its_trainer_on_a_signal(tmp_pat
             sweep.wait()
     assert sweep.returncode == 1 and "0 finished, 0 failed, 1 not run (stopped)" in out, out
     assert not (run / "final_model.zip").exists(), "the run trained to its end"
-    row = _status(tmp_path)["caveflyer/efla-tiny/seed0"]
+    row = _status(tmp_path)[f"{ENV}/efla-tiny/seed0"]
     assert row["state"] == "stopped" and row["returncode"] == 128 + signal.SIGTERM, row
     assert "stopped by SIGTERM: checkpoint step" in (run / "train.log").read_text()  # its stop checkpoint
 
@@ -391,16 +401,16 @@ def test_a_failed_run_is_recorded_with_its_log_and_the_others_still_run(tmp_path
     # a run whose trainer refuses to start although its flags are fine (so the sweep's own checks pass): its only
     # checkpoint is torn. The first run (seed-major, then the file's condition order) exits non-zero, and the
     # next one still runs in the one slot
-    path = _sweep_file(tmp_path, memories=["none"], conditions={"broken": {}, "ok": {}})
-    torn = tmp_path / "runs" / "caveflyer" / "none-broken" / "seed0" / "checkpoints"
+    path = _training_sweep(tmp_path, memories=["none"], conditions={"broken": {}, "ok": {}})
+    torn = tmp_path / "runs" / ENV / "none-broken" / "seed0" / "checkpoints"
     (torn / "step16").mkdir(parents=True)
     (torn / "step16" / "model.zip").write_text("not a zip\n")
     (torn / "latest").write_text("step16\n")
     assert S.main(_cpu(path, "--parallel", "1")) == 1
     out = capsys.readouterr().out
-    assert "failed caveflyer/none-broken/seed0  rc=2" in out and "1 finished, 1 failed" in out
+    assert f"failed {ENV}/none-broken/seed0  rc=2" in out and "1 finished, 1 failed" in out
     broken, ok = _status(tmp_path).values()
-    assert broken["name"] == "caveflyer/none-broken/seed0" and broken["state"] == "failed"
+    assert broken["name"] == f"{ENV}/none-broken/seed0" and broken["state"] == "failed"
     assert broken["returncode"] == 2 and broken["attempts"] == 1  # a usage error is not retried
     assert any(f"no checkpoint in {torn} is intact" in line for line in broken["log_tail"])
     assert ok["state"] == "done" and ok["returncode"] == 0 and ok["steps"] == 32
@@ -456,8 +466,8 @@ def _lock_holder_after(folder: Path, seconds: float) -> str | None:
 def test_a_killed_sweep_takes_its_training_processes_with_it(tmp_path):
     from rlseq.checkpoint import LOCK_NAME
 
-    path = _sweep_file(tmp_path, flags={"total_steps": 1_000_000, **TINY})
-    run = tmp_path / "runs" / "caveflyer" / "efla-tiny" / "seed0"
+    path = _training_sweep(tmp_path, flags={"total_steps": 1_000_000})
+    run = tmp_path / "runs" / ENV / "efla-tiny" / "seed0"
     ray_processes: dict[int, int] = {}
     sweep = subprocess.Popen([sys.executable, "-m", "rlseq.sweep", *_cpu(path)], stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL, env=dict(os.environ))
