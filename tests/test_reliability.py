@@ -310,10 +310,12 @@ def test_a_run_saved_before_a_memory_default_is_refused_at_resume_and_loads_as_i
         "as it was trained"]
 
 
-def test_a_model_of_the_rotary_option_is_played_with_the_frequencies_it_was_trained_with(tmp_path, monkeypatch):
+@pytest.mark.parametrize("algo", ["rlseq", "sb3-recurrent-ppo"])
+def test_a_model_of_the_rotary_option_is_played_with_the_frequencies_it_was_trained_with(algo, tmp_path, monkeypatch):
     """While rotary positions were an option their frequencies were not saved and the fastest pair turned 1 rad a
     step: such a model (``rotary_base`` in its settings, no ``rotary_freqs`` in its state) is refused by a plain
     load under today's π, and rlseq.evaluate plays it at 1 rad, as it was trained, and says so."""
+    from sb3_contrib import RecurrentPPO
     from stable_baselines3.common.save_util import load_from_zip_file, save_to_zip_file
 
     from rlseq.algos import MemoryPPO
@@ -322,18 +324,20 @@ def test_a_model_of_the_rotary_option_is_played_with_the_frequencies_it_was_trai
 
     config = tmp_path / "option.yml"
     config.write_text(yaml.safe_dump({ENV: {"memory_kwargs": {"efla": {"rotary_base": 10000}}}}))
-    argv = [*BASE[:3], "efla", *BASE[4:], "--logdir", str(tmp_path), "--config", str(config), "--total-steps", "32"]
+    argv = [*BASE[:3], "efla", "--algo", algo, *BASE[4:], "--logdir", str(tmp_path), "--config", str(config),
+            "--total-steps", "32"]
     with monkeypatch.context() as m:  # as rlseq built the option
         m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "rotary_max_freq", 1.0)
         train_main(argv)
-    folder = tmp_path / ENV / "efla" / "seed0"
+    folder = tmp_path / ENV / ("efla" if algo == "rlseq" else "sb3-efla") / "seed0"
     path = folder / "final_model.zip"
     data, params, variables = load_from_zip_file(path, device="cpu", load_data=True)
     assert data["policy_kwargs"]["memory_kwargs"] == {"rotary_base": 10000}
     params["policy"] = {k: v for k, v in params["policy"].items() if not k.endswith("rotary_freqs")}
     save_to_zip_file(path, data=data, params=params, pytorch_variables=variables)  # as the option saved it
+    cls = MemoryPPO if algo == "rlseq" else RecurrentPPO
     with pytest.raises(RuntimeError, match=r"\(rotary_base=10000, rotary_max_freq=1\) than this memory's"):
-        MemoryPPO.load(path, device="cpu")
+        cls.load(path, device="cpu")
     played = evaluate(folder, 2, n_envs=2, device="cpu", progress=False)
     assert played["notes"] == ["final_model.zip was saved with other memory settings than today's defaults: played "
                                "with memory_kwargs rotary_base=10000, rotary_max_freq=1, as it was trained"]
