@@ -310,17 +310,20 @@ def test_a_run_saved_before_a_memory_default_is_refused_at_resume_and_loads_as_i
         "as it was trained"]
 
 
+@pytest.mark.parametrize("heads", ["heads-32", "today"])
 @pytest.mark.parametrize("algo", ["rlseq", "sb3-recurrent-ppo"])
-def test_a_model_of_the_rotary_option_is_played_with_the_frequencies_it_was_trained_with(algo, tmp_path, monkeypatch):
+def test_a_model_of_the_rotary_option_is_played_with_the_frequencies_it_was_trained_with(algo, heads, tmp_path,
+                                                                                       monkeypatch):
     """While rotary positions were an option their frequencies were not saved and the fastest pair turned 1 rad a
     step: such a model (``rotary_base`` in its settings, no ``rotary_freqs`` in its state) is refused by a plain
-    load under today's π, and rlseq.evaluate plays it at 1 rad, as it was trained, and says so."""
+    load under today's π, and rlseq.evaluate plays it at 1 rad, as it was trained, and says so. Those models had
+    EFLA's heads of 32: the frequencies they were trained with are those of the saved head size, not today's."""
     from sb3_contrib import RecurrentPPO
     from stable_baselines3.common.save_util import load_from_zip_file, save_to_zip_file
 
     from rlseq.algos import MemoryPPO
     from rlseq.evaluate import evaluate
-    from rlseq.policies.memory import _DeltaRuleMemory
+    from rlseq.policies.memory import EFLAMemory, _DeltaRuleMemory
 
     config = tmp_path / "option.yml"
     config.write_text(yaml.safe_dump({ENV: {"memory_kwargs": {"efla": {"rotary_base": 10000}}}}))
@@ -328,6 +331,8 @@ def test_a_model_of_the_rotary_option_is_played_with_the_frequencies_it_was_trai
             "--total-steps", "32"]
     with monkeypatch.context() as m:  # as rlseq built the option
         m.setitem(_DeltaRuleMemory.__init__.__kwdefaults__, "rotary_max_freq", 1.0)
+        if heads == "heads-32":
+            m.setattr(EFLAMemory, "head_width", 1.0)
         train_main(argv)
     folder = tmp_path / ENV / ("efla" if algo == "rlseq" else "sb3-efla") / "seed0"
     path = folder / "final_model.zip"
@@ -336,11 +341,12 @@ def test_a_model_of_the_rotary_option_is_played_with_the_frequencies_it_was_trai
     params["policy"] = {k: v for k, v in params["policy"].items() if not k.endswith("rotary_freqs")}
     save_to_zip_file(path, data=data, params=params, pytorch_variables=variables)  # as the option saved it
     cls = MemoryPPO if algo == "rlseq" else RecurrentPPO
-    with pytest.raises(RuntimeError, match=r"\(rotary_base=10000, rotary_max_freq=1\) than this memory's"):
+    sizes = "head_dim=32, value_dim=32, " if heads == "heads-32" else ""
+    with pytest.raises(RuntimeError, match=rf"load it with memory_kwargs {sizes}rotary_base=10000, rotary_max_freq=1"):
         cls.load(path, device="cpu")
     played = evaluate(folder, 2, n_envs=2, device="cpu", progress=False)
     assert played["notes"] == ["final_model.zip was saved with other memory settings than today's defaults: played "
-                               "with memory_kwargs rotary_base=10000, rotary_max_freq=1, as it was trained"]
+                               f"with memory_kwargs {sizes}rotary_base=10000, rotary_max_freq=1, as it was trained"]
 
 
 # --- 4. SIGINT and SIGTERM -----------------------------------------------------------------------------------

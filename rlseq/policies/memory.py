@@ -29,8 +29,9 @@ state holds that position (the next step's) after the matrix. ``rotary_base=None
 position with them.
 
 The default widths are each memory's best of the same probe on the memory benchmark (the default and a wider
-core, equal effort for every memory; ``docs/memory.md`` has the numbers): EFLA 4 heads of ``d_model/4``, DeltaNet
-4 heads of ``d_model/2``, GRU and LSTM hidden ``2·d_model`` (256 at the default width, sb3-contrib's LSTM width).
+core, equal effort for every memory; ``docs/memory.md`` has the numbers): EFLA 4 heads with keys of ``d_model/2``
+and values of ``d_model/4``, DeltaNet 4 heads of ``d_model/2``, GRU and LSTM hidden ``2·d_model`` (256 at the
+default width, sb3-contrib's LSTM width).
 Parameter counts and state sizes therefore differ; ``docs/memory.md`` lists both.
 
 The interface (:class:`Memory`), the same for all:
@@ -455,11 +456,12 @@ class _DeltaRuleMemory(Memory):
                                       error_msgs)
 
     def _saved_head_sizes(self, state_dict, prefix) -> tuple[int, int]:
-        """``(head_dim, value_dim)`` of a saved state of this memory, read from its projections' shapes at this
-        memory's ``n_heads`` (this memory's own sizes when they cannot be read so: torch's size checks then
-        speak)."""
+        """``(head_dim, value_dim)`` of a saved state of this memory, read from its projections' shapes (this
+        memory's own sizes when they cannot be read so, or the state has another head count, which the saved
+        settings would have named: torch's size checks then speak)."""
         H, qkv, out = self.n_heads, state_dict.get(f"{prefix}qkv.weight"), state_dict.get(f"{prefix}out_proj.weight")
-        if qkv is None or out is None or out.ndim != 2 or qkv.ndim != 2:
+        beta = state_dict.get(f"{prefix}beta_proj.weight")  # [H, d_model]: one β per head
+        if qkv is None or out is None or out.ndim != 2 or qkv.ndim != 2 or beta is None or beta.shape[0] != H:
             return self.head_dim, self.value_dim
         values, keys = out.shape[1], qkv.shape[0] - out.shape[1]  # H·V; the queries' and keys' 2·H·K
         if values % H or keys <= 0 or keys % (2 * H):
@@ -771,8 +773,10 @@ def with_rotary_freqs_of_option_saves(module: nn.Module, state_dict: Mapping[str
         prefix = f"{name}." if name else ""
         if (isinstance(sub, _DeltaRuleMemory) and sub.rotary_base is not None
                 and f"{prefix}out_proj.weight" in state_dict and f"{prefix}rotary_freqs" not in state_dict):
+            # at the saved head size (the weights'), which a later default may have changed
+            head_dim, _ = sub._saved_head_sizes(state_dict, prefix)
             added[f"{prefix}rotary_freqs"] = rotary_frequencies(
-                sub.head_dim, memory_kwargs["rotary_base"], memory_kwargs.get("rotary_max_freq", 1.0)).to(
+                head_dim, memory_kwargs["rotary_base"], memory_kwargs.get("rotary_max_freq", 1.0)).to(
                 sub.rotary_freqs.device)
     return {**state_dict, **added} if added else state_dict
 

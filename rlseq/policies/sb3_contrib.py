@@ -7,7 +7,7 @@ Change only the policy argument::
     from rlseq.policies import EflaCnnPolicy
 
     model = RecurrentPPO(EflaCnnPolicy, env)             # was RecurrentPPO("CnnLstmPolicy", env)
-    model = RecurrentPPO(EflaMlpPolicy, env, policy_kwargs=dict(memory_kwargs=dict(n_heads=4, head_dim=16)))
+    model = RecurrentPPO(EflaMlpPolicy, env, policy_kwargs=dict(memory_kwargs=dict(n_heads=4, head_dim=16, value_dim=16)))
 
 How the memory fits into RecurrentPPO:
 
