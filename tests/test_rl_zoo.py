@@ -44,7 +44,7 @@ def test_every_entry_of_the_shipped_file_names_a_registered_env_and_an_importabl
     for env_id, params in entries.items():
         assert env_id in gym.registry, env_id
         assert get_class_by_name(params["policy"]) is EflaMlpPolicy
-        assert eval(params["policy_kwargs"]) == {"memory_kwargs": {"n_heads": 4, "head_dim": 16}}  # as RL Zoo does
+        assert eval(params["policy_kwargs"]) == {"memory_kwargs": {"n_heads": 4, "head_dim": 16, "value_dim": 16}}  # as RL Zoo does
 
 
 def test_the_sampler_keeps_the_memory_and_the_sequence_length_of_the_file():
