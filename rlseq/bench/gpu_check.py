@@ -3,9 +3,10 @@
 1. Correctness: ``chunk_rule(backend="triton")`` forward and backward (o, final state, dq, dk, dv, dβ, dS₀) and
    ``step_rule(backend="triton")`` on CUDA tensors against the float64 step loop (run on the GPU), for both rules,
    fp32 and bf16, head sizes ``--dims`` (``K`` or ``KxV``; the default includes EFLA's shipped 64x32), at a small
-   batch (two V blocks) and at B·H = 256 (one V block, the large-batch row of the launch table), with resets, a
-   zero key and key norms 1e-4..1e4; EFLA also with key norms up to 1e30. The compiled kernels can fail where the interpreted ones of the CPU tests pass (a miscompile, the
-   TF32 dot precision), so this runs after every kernel change.
+   batch (two V blocks) and at B·H = 256 (one V block, the large-batch row of the launch table), with resets, a zero
+   key and key norms 1e-4..1e4; EFLA also with key norms up to 1e30. The compiled kernels can fail where the
+   interpreted ones of the CPU tests pass (a miscompile, the TF32 dot precision), so this runs after every kernel
+   change.
 2. ``--time``: the ``rlseq.bench kernels`` table at the RL shapes, fla rows included when importable.
 3. ``--breakdown``: device time of every kernel of one fwd+bwd (torch.profiler) and its CUDA-graph replay.
 """
@@ -134,8 +135,9 @@ def head_sizes(text: str) -> tuple[int, int]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dims", type=head_sizes, nargs="+", metavar="K|KxV",
-                        default=[(16, 16), (32, 32), (64, 64), (128, 128), (64, 32)], help="head sizes checked: K (values as wide) or KxV (default: 16 32 64 128 "
-                        "64x32, the last EFLA's shipped keys and values)")
+                        default=[(16, 16), (32, 32), (64, 64), (128, 128), (64, 32)],
+                        help="head sizes checked: K (values as wide) or KxV (default: 16 32 64 128 64x32, the last "
+                        "EFLA's shipped keys and values)")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     parser.add_argument("--time", action="store_true", help="then the kernels table at the RL shapes (fla rows too)")
     parser.add_argument("--breakdown", action="store_true", help="then the device time per kernel")

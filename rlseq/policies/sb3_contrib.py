@@ -140,8 +140,8 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
     (h and c) for EVERY step of every env, as float32 NumPy arrays, whether the critic has a memory or not:
     ``2 · n`` floats per env-step for a state of ``n`` floats. EFLA's defaults (4 heads × 64 × 32 and the
     convolution window, n = 8,577, padded to 8,578): 67 KiB per env-step, i.e. 1.05 GiB for 64 envs × 256 steps,
-    and ``get()`` makes a flattened copy of the same size again (DeltaNet's 4 heads × 64 × 64: 131 KiB per env-step; the default LSTM,
-    hidden 256: 7 KiB). rlseq's own PPO (``rlseq.algos.MemoryPPO``) stores ONE state per env per
+    and ``get()`` makes a flattened copy of the same size again (DeltaNet's 4 heads × 64 × 64: 131 KiB per
+    env-step; the default LSTM, hidden 256: 7 KiB). rlseq's own PPO (``rlseq.algos.MemoryPPO``) stores ONE state per env per
     rollout and trains on whole rollouts; prefer it for large runs.
     """
 
