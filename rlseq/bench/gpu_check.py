@@ -9,6 +9,11 @@
    change.
 2. ``--time``: the ``rlseq.bench kernels`` table at the RL shapes, fla rows included when importable.
 3. ``--breakdown``: device time of every kernel of one fwd+bwd (torch.profiler) and its CUDA-graph replay.
+
+The GRU and LSTM scans (:func:`rlseq.kernels.rnn.rnn_scan`, what the training graph replays for those memories)
+get the same: forward and backward of the Triton backend against the float64 loop at the training shape
+(minibatches of 8 and 2 sequences of 256 steps, hidden 256) and at a ragged one, with resets; ``--time`` adds their
+fwd+bwd time replayed from a CUDA graph (Triton, the torch loop) beside cuDNN's packed eager call.
 """
 
 from __future__ import annotations
@@ -21,9 +26,11 @@ import torch
 from rlseq.bench import kernels as bench
 from rlseq.bench.kernels import FIELDS, random_inputs, rel_err
 from rlseq.kernels import chunk_rule, step_rule
+from rlseq.kernels.rnn import CELLS, rnn_scan
 
 TIME_SHAPES = ["8,256,4,64", "64,256,4,64", "8,256,4,32", "64,256,4,16", "16,1024,4,64"]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+SCAN_SHAPES = ((8, 256, 256), (2, 256, 256), (33, 50, 40))  # (B, T, H): the training minibatches, a ragged one
 
 
 def _grads(inp, rule, dtype, backend, do, ds):
@@ -68,6 +75,74 @@ def check_step(rule, K, V, device, B=33, H=4, T=20) -> float:
     return worst
 
 
+def scan_inputs(cell: str, B: int, T: int, H: int, device, *, reset_prob: float = 0.02, seed: int = 0):
+    """Random inputs of :func:`rlseq.kernels.rnn.rnn_scan` at PyTorch's initial scale (weights ~U(±1/√H)), float64
+    on ``device``: ``(gates_x, w_hh, b_hh, parts, resets)``."""
+    G, P = CELLS[cell]
+    g = torch.Generator().manual_seed(seed)
+    u = lambda *shape: ((torch.rand(*shape, generator=g, dtype=torch.float64) * 2 - 1) / H ** 0.5).to(device)  # noqa: E731
+    gates_x = (torch.randn(B, T, G * H, generator=g, dtype=torch.float64)).to(device)
+    parts = tuple(torch.randn(B, H, generator=g, dtype=torch.float64).to(device) for _ in range(P))
+    resets = (torch.rand(B, T, generator=g) < reset_prob).to(device)
+    return gates_x, u(G * H, H), u(G * H), parts, resets
+
+
+def check_scan(cell: str, B: int, T: int, H: int, device) -> dict[str, float]:
+    """Relative error of the Triton scan's outputs and gradients (float32) against the float64 loop."""
+    inputs = scan_inputs(cell, B, T, H, device)
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for backend in ("reference", "triton"):
+        gates_x, w, b, parts, resets = inputs
+        leaves = [x.detach().clone().to(torch.float64 if backend == "reference" else torch.float32).requires_grad_()
+                  for x in (gates_x, w, b, *parts)]
+        y, final = rnn_scan(cell, *leaves[:3], tuple(leaves[3:]), resets, backend=backend)
+        g.manual_seed(1)
+        loss = (y.double() * torch.randn(y.shape, generator=g, dtype=torch.float64).to(device)).sum()
+        for f in final:
+            loss = loss + (f.double() * torch.randn(f.shape, generator=g, dtype=torch.float64).to(device)).sum()
+        grads = torch.autograd.grad(loss, leaves)
+        out[backend] = dict(zip(["y", *(f"final{i}" for i in range(len(final))), "dgates_x", "dw_hh", "db_hh",
+                                 *(f"dpart{i}" for i in range(len(final)))], [y, *final, *grads]))
+    return {n: rel_err(out["triton"][n], out["reference"][n]) for n in out["reference"]}
+
+
+def scan_timing(device, shapes=((8, 256, 256), (2, 256, 256))) -> None:
+    """fwd+bwd ms of one scan layer over sequences with an episode start every 64 steps: the Triton and torch scans
+    replayed from a CUDA graph, cuDNN's packed call (the eager training path: ``nn.GRU`` / ``nn.LSTM`` over the
+    episode segments, with the memory's output projection) run eagerly."""
+    import triton.testing
+    from torch import nn
+
+    from rlseq.bench.timing import graph_ms
+    from rlseq.policies.memory import make_memory
+
+    print("| cell | B, T, hidden | Triton scan, graph | torch scan, graph | cuDNN packed, eager (+ the output projection) |")
+    print("|---|---|---:|---:|---:|")
+    for cell in CELLS:
+        for B, T, H in shapes:
+            gates_x, w, b, parts, _ = scan_inputs(cell, B, T, H, device)
+            resets = torch.zeros(B, T, dtype=torch.bool, device=device)
+            resets[:, 64::64] = True
+            leaves = [x.float().requires_grad_() for x in (gates_x, w, b, *parts)]
+            ms = {}
+            for backend in ("triton", "torch"):
+                def fb(backend=backend):
+                    y, final = rnn_scan(cell, *leaves[:3], tuple(leaves[3:]), resets, backend=backend)
+                    (y.sum() + sum(f.sum() for f in final)).backward()
+                ms[backend] = graph_ms(fb, leaves)
+            memory = make_memory(cell, H, d_model=H, hidden_size=H, conv_size=1).to(device)
+            u = torch.randn(B, T, H, device=device, requires_grad=True)
+            state = memory.initial_state(B, device)
+
+            def packed():
+                y, final = memory._core(u, memory.state_parts(state)[0], resets, h=u)
+                (y.sum() + final.sum()).backward()
+            ms["cudnn"] = triton.testing.do_bench(packed, warmup=10, rep=100, return_mode="median")
+            print(f"| {cell} | {B}, {T}, {H} | {ms['triton']:.2f} | {ms['torch']:.2f} | {ms['cudnn']:.2f} |",
+                  flush=True)
+
+
 def correctness(device, dims) -> int:
     """Every check, one line each; returns the number of failures."""
     t0, failures = time.time(), 0
@@ -89,6 +164,14 @@ def correctness(device, dims) -> int:
             failures += worst > 1e-4
             print(f"[{time.time() - t0:4.0f}s] step  {rule:8s} K{K} V{V} max {worst:.1e} "
                   f"{'OK' if worst <= 1e-4 else 'FAIL'}", flush=True)
+    for cell in CELLS:
+        for B, T, H in SCAN_SHAPES:
+            errs = check_scan(cell, B, T, H, device)
+            worst = max(errs.values())
+            failures += not worst <= TOL[torch.float32]
+            print(f"[{time.time() - t0:4.0f}s] scan  {cell:8s} B{B} T{T} hidden {H} max {worst:.1e} "
+                  f"{'OK' if worst <= TOL[torch.float32] else 'FAIL'}  " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()),
+                  flush=True)
     return failures
 
 
@@ -160,6 +243,7 @@ def main(args: argparse.Namespace) -> None:
         bench.add_arguments(kernels)
         bench.main(kernels.parse_args(["--shapes", *args.shapes, "--dtypes", "float32", "bfloat16", "--backends",
                                        "triton", "--fla", "--step", "--device", "cuda"]))
+        scan_timing(device)
     if args.breakdown:
         breakdown(device, args.shapes)
 

@@ -68,6 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlseq.kernels import chunk_rule, step_rule
+from rlseq.kernels.rnn import rnn_scan
 from rlseq.kernels.rules import unit_key_scales
 from rlseq.policies.short_conv import ShortConv
 
@@ -825,12 +826,13 @@ class _RNNMemory(Memory):
     are packed (``pack_padded_sequence``) and run together, the first segment of each sequence from the carried
     state and every later one from zeros. No Python loop over time steps, unlike sb3-contrib's
     ``_process_sequence``. Packing reads the segment lengths on the host, which a CUDA graph cannot capture: with
-    :meth:`capturable_training` on, ``forward`` is instead a masked scan over time (:meth:`_scan`) on the same
-    weights, the state zeroed where an episode starts.
+    :meth:`capturable_training` on, ``forward`` is instead a masked scan over time (:meth:`_scan`,
+    :func:`rlseq.kernels.rnn.rnn_scan`) on the same weights, the state zeroed where an episode starts.
 
     ``hidden_size`` (default ``2·d_model``: 256 at the default width), ``num_layers``, ``recurrent_init`` (one of
-    :data:`RECURRENT_INITS`: ``"uniform"``, PyTorch's default, or ``"orthogonal"``) and ``join`` (the
-    block's) are arguments; the rest go to ``nn.GRU`` / ``nn.LSTM``.
+    :data:`RECURRENT_INITS`: ``"uniform"``, PyTorch's default, or ``"orthogonal"``), ``join`` (the block's) and
+    ``backend`` (the scan's: ``"torch"``, ``"triton"``, or None for Triton on float32 CUDA tensors) are arguments;
+    the rest go to ``nn.GRU`` / ``nn.LSTM``.
     """
 
     # auto trains them eagerly: the capturable scan replaces one cuDNN call by T small steps per layer, and
@@ -846,8 +848,12 @@ class _RNNMemory(Memory):
 
     def __init__(self, in_features: int, *, d_model: int | None = None, conv_size: int = DEFAULT_CONV_SIZE,
                  join: str = "residual", hidden_size: int | None = None, num_layers: int = 1,
-                 recurrent_init: str = "uniform", **rnn_kwargs: Any) -> None:
+                 recurrent_init: str = "uniform", backend: str | None = None, **rnn_kwargs: Any) -> None:
         super().__init__(in_features, d_model=d_model, conv_size=conv_size, join=join)
+        if backend not in (None, "torch", "triton"):
+            raise ValueError(f"unknown backend {backend!r} for the {self.name} scan; valid: torch, triton (or None: "
+                             "triton on float32 CUDA tensors, torch otherwise)")
+        self.backend = backend
         if rnn_kwargs.pop("batch_first", True) is not True or rnn_kwargs.get("bidirectional"):
             raise ValueError(f"{type(self).__name__} is always batch_first and unidirectional")
         if recurrent_init not in RECURRENT_INITS:
@@ -932,35 +938,19 @@ class _RNNMemory(Memory):
     def _scan(self, u: torch.Tensor, state: torch.Tensor, resets: torch.Tensor | None
               ) -> tuple[torch.Tensor, torch.Tensor]:
         """``forward``'s core without host reads: each layer's input projection over all ``T`` steps at once, then
-        one :meth:`_cell` per step on the layer's state, zeroed (every part) where ``resets`` starts an episode, and
+        :func:`~rlseq.kernels.rnn.rnn_scan` (the state zeroed, every part, where ``resets`` starts an episode), and
         the RNN's dropout between layers as nn.GRU / nn.LSTM apply it (other random draws than cuDNN's).
         ``u [B, T, d]``, ``state [B, P, L, hidden]`` → ``(m [B, T, d], final [B, P, L, hidden])``."""
-        T = u.shape[1]
-        zero = u.new_zeros(())
         x, finals = u, []
         for layer in range(self.num_layers):
-            w_hh = getattr(self.rnn, f"weight_hh_l{layer}")
-            b_hh = getattr(self.rnn, f"bias_hh_l{layer}", None)
             gates_x = F.linear(x, getattr(self.rnn, f"weight_ih_l{layer}"), getattr(self.rnn, f"bias_ih_l{layer}", None))
             parts = tuple(state[:, i, layer] for i in range(self.n_parts))
-            ys = []
-            for t in range(T):
-                if resets is not None:  # exact zeros, as the packed path starts a segment (0 · inf would be NaN)
-                    parts = tuple(torch.where(resets[:, t, None], zero, p) for p in parts)
-                parts = self._cell(gates_x[:, t], F.linear(parts[0], w_hh, b_hh), parts)
-                ys.append(parts[0])
-            x = torch.stack(ys, 1)
+            x, parts = rnn_scan(self.name, gates_x, getattr(self.rnn, f"weight_hh_l{layer}"),
+                                getattr(self.rnn, f"bias_hh_l{layer}", None), parts, resets, backend=self.backend)
             if layer < self.num_layers - 1 and self.rnn.dropout > 0:
                 x = F.dropout(x, self.rnn.dropout, self.training)
             finals.append(torch.stack(parts, 1))  # [B, P, hidden]
         return self.out_proj(x), torch.stack(finals, 2)
-
-    @staticmethod
-    @abc.abstractmethod
-    def _cell(gates_x: torch.Tensor, gates_h: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """One step of the RNN from the input's and the state's gate pre-activations (``[B, G·hidden]`` each, in
-        PyTorch's gate order and with its biases) and the state's parts ``([B, hidden], ...)`` → the new parts,
-        h first."""
 
     def _core_step(self, u, state, resets, *, h):
         if resets is not None:
@@ -986,7 +976,8 @@ class _RNNMemory(Memory):
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, hidden_size={self.hidden_size}, num_layers={self.num_layers}"
-                + (f", recurrent_init={self.recurrent_init}" if self.recurrent_init != "uniform" else ""))
+                + (f", recurrent_init={self.recurrent_init}" if self.recurrent_init != "uniform" else "")
+                + (f", backend={self.backend}" if self.backend is not None else ""))
 
 
 class GRUMemory(_RNNMemory):
@@ -1000,14 +991,6 @@ class GRUMemory(_RNNMemory):
     n_parts = 1
     _part_names = "h=0"
 
-    @staticmethod
-    def _cell(gates_x, gates_h, parts):
-        # nn.GRU's definition: r, z = σ(·), n = tanh(x_n + r ⊙ (W_hn h + b_hn)), h' = (1 − z) ⊙ n + z ⊙ h
-        H = gates_h.shape[-1] // 3
-        r, z = torch.sigmoid(gates_x[:, :2 * H] + gates_h[:, :2 * H]).chunk(2, -1)
-        n = torch.tanh(torch.addcmul(gates_x[:, 2 * H:], r, gates_h[:, 2 * H:]))
-        return (torch.lerp(n, parts[0], z),)
-
 
 class LSTMMemory(_RNNMemory):
     """``nn.LSTM`` baseline in the shared block: core state ``[B, 2, num_layers, hidden_size]`` float32, h at
@@ -1019,16 +1002,6 @@ class LSTMMemory(_RNNMemory):
     rnn_class = nn.LSTM
     n_parts = 2
     _part_names = "h=0/c=1"
-
-    @staticmethod
-    def _cell(gates_x, gates_h, parts):
-        # nn.LSTM's definition, gates i, f, g, o: c' = σ(f) ⊙ c + σ(i) ⊙ tanh(g), h' = σ(o) ⊙ tanh(c'); one σ over
-        # all four gates (g's share unused): fewer kernels per step, which is what a replayed scan costs
-        pre = gates_x + gates_h
-        H = pre.shape[-1] // 4
-        i, f, _, o = torch.sigmoid(pre).chunk(4, -1)
-        c = torch.addcmul(f * parts[1], i, torch.tanh(pre[:, 2 * H:3 * H]))
-        return o * torch.tanh(c), c
 
     def __init__(self, in_features: int, *, forget_bias: float | None = None, **kwargs: Any) -> None:
         super().__init__(in_features, **kwargs)
