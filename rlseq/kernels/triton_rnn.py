@@ -1,15 +1,22 @@
-"""The GRU and LSTM scans in Triton: one launch per step forward and one per step backward, each doing the step's
+"""The GRU and LSTM scans in Triton: one launch per step forward and one per step backward, each doing a step's
 recurrent matmul and its cell together (the torch loop takes a matmul and 5-7 element-wise kernels per step
 forward, and autograd about twice that backward: in a replayed CUDA graph the launch count is what a scan costs).
 
-Forward, step t: every program owns ``BJ`` hidden units of ``BB`` sequences, accumulates their gate
-pre-activations ``h_{t−1} W_hhᵀ`` over the hidden size in blocks of ``BK``, adds the input's pre-activations and
-applies the cell (the state read as zero where an episode starts); it stores ``h_t`` (and the LSTM's ``c_t``) and
-the gate values backward needs. Backward, step t (from the last): every program owns ``BK`` units of
-``∂L/∂h_{t−1}``; it forms the gate gradients of all ``H`` units block by block, multiplies them by ``W_hh`` and adds
-the cell's direct path, zero where step t reset the state. The weight gradients are one matmul after the loop,
-over all steps at once. float32 throughout, matmuls in IEEE float32 (no TF32), so the result is the torch loop's
-to rounding (tests/test_memory.py and tests/test_rnn_scan.py hold both to the float64 loop).
+Every program owns ``BU`` hidden units of ``BB`` sequences, and reads whole rows of the other step's state, so the
+only exchange between programs is through memory between launches.
+
+- Forward, step t: the gate pre-activations ``h_{t−1} W_hhᵀ`` of the program's units (the state read as zero
+  where step t starts an episode), plus the input's, then the cell; stores ``h_t`` (and the LSTM's ``c_t``) and the
+  gate values backward needs.
+- Backward, launch t (from ``T − 1`` down to ``−1``): ``∂L/∂h_t`` at the program's units, from step t+1's gate
+  gradients times ``W_hh`` plus the cell's direct path (zero where step t+1 reset the state; at ``T − 1`` the
+  final state's gradient), then step t's gate gradients at those units, which launch t−1 reads. Launch −1 gives
+  the entering state's gradient. The weight gradients are one matmul after the loop, over all steps at once.
+
+float32 state and accumulation. The matmuls follow torch's TF32 switch for matmuls
+(``torch.backends.cuda.matmul.allow_tf32``, which ``MemoryPPO(tf32=True)`` sets while it learns): IEEE float32
+when it is off, so that the scan is the torch loop's to rounding (tests/test_rnn_scan.py and gpu-check hold both
+to the float64 loop).
 """
 
 from __future__ import annotations
@@ -19,8 +26,12 @@ import triton
 import triton.language as tl
 
 BB = 16  # sequences per program (tl.dot's smallest tile)
-BJ = 32  # hidden units per program
-BK = 32  # the reduction's block
+BU = 16  # hidden units per program: at hidden 256, 16 programs per launch
+
+
+def _block_k(H: int) -> int:
+    """The reduction's block: the whole hidden size in one load up to 128, so a program's loads go out at once."""
+    return min(128, max(16, triton.next_power_of_2(H)))
 
 
 @triton.jit
@@ -37,159 +48,151 @@ def _tanh(x):
 
 
 @triton.jit
-def _rows_dot(a, w, s_w, row0, rr, mr, rc, mc):
-    """``a [BB, len(rr)] @ W[row0 + rr, rc]``: ``a`` against a block of ``W``'s rows (``W`` row-major, row stride
-    ``s_w``)."""
-    wb = tl.load(w + (row0 + rr)[:, None] * s_w + rc[None, :], mask=mr[:, None] & mc[None, :], other=0.0)
-    return tl.dot(a, wb, input_precision="ieee")
+def _tile(ptr, s_b, rb, mb, rc, mc):
+    return tl.load(ptr + rb[:, None] * s_b + rc[None, :], mask=mb[:, None] & mc[None, :], other=0.0)
 
 
 @triton.jit
-def _cols_dot(a, w, s_w, row0, rj, mj, rk, mk):
-    """``a [BB, len(rk)] @ W[row0 + rj, rk]ᵀ``: the forward's ``h W_gᵀ`` for gate rows ``row0 + rj``."""
-    wb = tl.load(w + (row0 + rj)[None, :] * s_w + rk[:, None], mask=mk[:, None] & mj[None, :], other=0.0)
-    return tl.dot(a, wb, input_precision="ieee")
-
-
-@triton.jit
-def _load_state(ptr, s_b, rb, mb, rc, mc, keep, HAS_RESETS: tl.constexpr):
-    x = tl.load(ptr + rb[:, None] * s_b + rc[None, :], mask=mb[:, None] & mc[None, :], other=0.0)
+def _keep(resets, s_r, rb, mb, HAS_RESETS: tl.constexpr):
+    """Per sequence: True where the step does not start an episode."""
+    keep = rb >= 0
     if HAS_RESETS:
-        x = tl.where(keep[:, None], x, 0.0)
-    return x
+        keep = tl.load(resets + rb * s_r, mask=mb, other=1) == 0
+    return keep
+
+
+@triton.jit
+def _gate_preacts(h_in, s_h, keep, w, s_w, gate, rb, mb, ru, mu, H: tl.constexpr, BB: tl.constexpr,
+                  BU: tl.constexpr, BK: tl.constexpr, HAS_RESETS: tl.constexpr, PREC: tl.constexpr):
+    """``h W_gᵀ`` at units ``ru`` of gate ``gate``: ``[BB, BU]``, ``h`` zero where ``keep`` is False."""
+    acc = tl.zeros([BB, BU], dtype=tl.float32)
+    for k0 in range(0, H, BK):
+        rk = k0 + tl.arange(0, BK)
+        mk = rk < H
+        hk = _tile(h_in, s_h, rb, mb, rk, mk)
+        if HAS_RESETS:
+            hk = tl.where(keep[:, None], hk, 0.0)
+        wt = tl.load(w + (gate * H + ru)[None, :] * s_w + rk[:, None], mask=mk[:, None] & mu[None, :], other=0.0)
+        acc += tl.dot(hk, wt, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _through_weights(dnext, s_dn, w, s_w, G: tl.constexpr, rb, mb, ru, mu, H: tl.constexpr, BB: tl.constexpr,
+                     BU: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """``Σ_g ∂a_g W_g[:, ru]``: the gate gradients ``dnext [B, G·H]`` of a step carried back to its input state at
+    units ``ru``."""
+    acc = tl.zeros([BB, BU], dtype=tl.float32)
+    for g in tl.static_range(G):
+        for k0 in range(0, H, BK):
+            rk = k0 + tl.arange(0, BK)
+            mk = rk < H
+            d = _tile(dnext + g * H, s_dn, rb, mb, rk, mk)
+            wt = tl.load(w + (g * H + rk)[:, None] * s_w + ru[None, :], mask=mk[:, None] & mu[None, :], other=0.0)
+            acc += tl.dot(d, wt, input_precision=PREC)
+    return acc
 
 
 @triton.jit
 def gru_fwd_kernel(gx, s_gx, w, s_w, bias, h_in, s_h, resets, s_r, y, s_y, saved, s_s, B,
-                   H: tl.constexpr, BB: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
-                   HAS_RESETS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    rj = tl.program_id(0) * BJ + tl.arange(0, BJ)
+                   H: tl.constexpr, BB: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr,
+                   HAS_RESETS: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    ru = tl.program_id(0) * BU + tl.arange(0, BU)
     rb = tl.program_id(1) * BB + tl.arange(0, BB)
-    mj, mb = rj < H, rb < B
-    keep = rb >= 0
-    if HAS_RESETS:
-        keep = tl.load(resets + rb * s_r, mask=mb, other=1) == 0
-    acc_r = tl.zeros([BB, BJ], dtype=tl.float32)
-    acc_z = tl.zeros([BB, BJ], dtype=tl.float32)
-    acc_n = tl.zeros([BB, BJ], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        rk = k0 + tl.arange(0, BK)
-        mk = rk < H
-        hk = _load_state(h_in, s_h, rb, mb, rk, mk, keep, HAS_RESETS)
-        acc_r += _cols_dot(hk, w, s_w, 0, rj, mj, rk, mk)
-        acc_z += _cols_dot(hk, w, s_w, H, rj, mj, rk, mk)
-        acc_n += _cols_dot(hk, w, s_w, 2 * H, rj, mj, rk, mk)
+    mu, mb = ru < H, rb < B
+    keep = _keep(resets, s_r, rb, mb, HAS_RESETS)
+    a_r = _gate_preacts(h_in, s_h, keep, w, s_w, 0, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
+    a_z = _gate_preacts(h_in, s_h, keep, w, s_w, 1, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
+    a_n = _gate_preacts(h_in, s_h, keep, w, s_w, 2, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
     if HAS_BIAS:
-        acc_r += tl.load(bias + rj, mask=mj, other=0.0)[None, :]
-        acc_z += tl.load(bias + H + rj, mask=mj, other=0.0)[None, :]
-        acc_n += tl.load(bias + 2 * H + rj, mask=mj, other=0.0)[None, :]
-    m = mb[:, None] & mj[None, :]
-    g = gx + rb[:, None] * s_gx + rj[None, :]
-    r = _sigmoid(tl.load(g, mask=m, other=0.0) + acc_r)
-    z = _sigmoid(tl.load(g + H, mask=m, other=0.0) + acc_z)
-    n = _tanh(tl.load(g + 2 * H, mask=m, other=0.0) + r * acc_n)
-    h = _load_state(h_in, s_h, rb, mb, rj, mj, keep, HAS_RESETS)
-    tl.store(y + rb[:, None] * s_y + rj[None, :], n + z * (h - n), mask=m)
-    s = saved + rb[:, None] * s_s + rj[None, :]
+        a_r += tl.load(bias + ru, mask=mu, other=0.0)[None, :]
+        a_z += tl.load(bias + H + ru, mask=mu, other=0.0)[None, :]
+        a_n += tl.load(bias + 2 * H + ru, mask=mu, other=0.0)[None, :]
+    r = _sigmoid(_tile(gx, s_gx, rb, mb, ru, mu) + a_r)
+    z = _sigmoid(_tile(gx + H, s_gx, rb, mb, ru, mu) + a_z)
+    n = _tanh(_tile(gx + 2 * H, s_gx, rb, mb, ru, mu) + r * a_n)
+    h = _tile(h_in, s_h, rb, mb, ru, mu)
+    if HAS_RESETS:
+        h = tl.where(keep[:, None], h, 0.0)
+    m = mb[:, None] & mu[None, :]
+    tl.store(y + rb[:, None] * s_y + ru[None, :], n + z * (h - n), mask=m)
+    s = saved + rb[:, None] * s_s + ru[None, :]
     tl.store(s, r, mask=m)
     tl.store(s + H, z, mask=m)
     tl.store(s + 2 * H, n, mask=m)
-    tl.store(s + 3 * H, acc_n, mask=m)
+    tl.store(s + 3 * H, a_n, mask=m)
 
 
 @triton.jit
-def _gru_grads(dy, s_dy, carry, s_c, saved, s_s, h_in, s_h, rb, mb, rj, mj, keep, H: tl.constexpr,
-               HAS_RESETS: tl.constexpr):
-    """Step t's gradients at units ``rj``: ``(∂h_t, z, ∂a_r, ∂a_z, ∂a_n, ∂(W_hn h + b_hn))`` with ``a`` the gate
-    pre-activations."""
-    m = mb[:, None] & mj[None, :]
-    dh = (tl.load(dy + rb[:, None] * s_dy + rj[None, :], mask=m, other=0.0)
-          + tl.load(carry + rb[:, None] * s_c + rj[None, :], mask=m, other=0.0))
-    s = saved + rb[:, None] * s_s + rj[None, :]
-    r = tl.load(s, mask=m, other=0.0)
-    z = tl.load(s + H, mask=m, other=0.0)
-    n = tl.load(s + 2 * H, mask=m, other=0.0)
-    ghn = tl.load(s + 3 * H, mask=m, other=0.0)
-    h = _load_state(h_in, s_h, rb, mb, rj, mj, keep, HAS_RESETS)
-    da_n = dh * (1.0 - z) * (1.0 - n * n)
-    da_r = da_n * ghn * r * (1.0 - r)
-    da_z = dh * (h - n) * z * (1.0 - z)
-    return dh, z, da_r, da_z, da_n, da_n * r
-
-
-@triton.jit
-def gru_bwd_kernel(dy, s_dy, carry_in, s_ci, saved, s_s, h_in, s_h, resets, s_r, w, s_w, carry_out, s_co,
-                   dgx, s_dgx, dgh, s_dgh, B, H: tl.constexpr, BB: tl.constexpr, BJ: tl.constexpr,
-                   BK: tl.constexpr, HAS_RESETS: tl.constexpr):
-    rk = tl.program_id(0) * BK + tl.arange(0, BK)
+def gru_bwd_kernel(dgh_next, s_dgn, saved_next, s_sn, resets_next, s_rn, dh_buf, s_dhb, dy, s_dy, saved, s_s,
+                   h_in, s_h, resets, s_r, w, s_w, dgx, s_dgx, dgh, s_dgh, dh_out, s_dho, B,
+                   H: tl.constexpr, BB: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, HAS_NEXT: tl.constexpr,
+                   HAS_STEP: tl.constexpr, HAS_RESETS: tl.constexpr, PREC: tl.constexpr):
+    ru = tl.program_id(0) * BU + tl.arange(0, BU)
     rb = tl.program_id(1) * BB + tl.arange(0, BB)
-    mk, mb = rk < H, rb < B
-    keep = rb >= 0
-    if HAS_RESETS:
-        keep = tl.load(resets + rb * s_r, mask=mb, other=1) == 0
-    acc = tl.zeros([BB, BK], dtype=tl.float32)
-    for j0 in range(0, H, BJ):
-        rj = j0 + tl.arange(0, BJ)
-        mj = rj < H
-        _, _, da_r, da_z, _, dgh_n = _gru_grads(dy, s_dy, carry_in, s_ci, saved, s_s, h_in, s_h, rb, mb, rj, mj,
-                                                keep, H, HAS_RESETS)
-        acc += _rows_dot(da_r, w, s_w, 0, rj, mj, rk, mk)
-        acc += _rows_dot(da_z, w, s_w, H, rj, mj, rk, mk)
-        acc += _rows_dot(dgh_n, w, s_w, 2 * H, rj, mj, rk, mk)
-    dh, z, da_r, da_z, da_n, dgh_n = _gru_grads(dy, s_dy, carry_in, s_ci, saved, s_s, h_in, s_h, rb, mb, rk, mk,
-                                                keep, H, HAS_RESETS)
-    acc += dh * z
-    if HAS_RESETS:
-        acc = tl.where(keep[:, None], acc, 0.0)
-    m = mb[:, None] & mk[None, :]
-    tl.store(carry_out + rb[:, None] * s_co + rk[None, :], acc, mask=m)
-    x = dgx + rb[:, None] * s_dgx + rk[None, :]
-    tl.store(x, da_r, mask=m)
-    tl.store(x + H, da_z, mask=m)
-    tl.store(x + 2 * H, da_n, mask=m)
-    hh = dgh + rb[:, None] * s_dgh + rk[None, :]
-    tl.store(hh, da_r, mask=m)
-    tl.store(hh + H, da_z, mask=m)
-    tl.store(hh + 2 * H, dgh_n, mask=m)
+    mu, mb = ru < H, rb < B
+    m = mb[:, None] & mu[None, :]
+    # ∂L/∂h_t from step t+1 (dh_buf holds ∂L/∂h_{t+1} at these units), or the final state's gradient
+    carry = _tile(dh_buf, s_dhb, rb, mb, ru, mu)
+    if HAS_NEXT:
+        z_next = _tile(saved_next + H, s_sn, rb, mb, ru, mu)
+        carry = _through_weights(dgh_next, s_dgn, w, s_w, 3, rb, mb, ru, mu, H, BB, BU, BK, PREC) + carry * z_next
+        if HAS_RESETS:
+            carry = tl.where(_keep(resets_next, s_rn, rb, mb, HAS_RESETS)[:, None], carry, 0.0)
+    if HAS_STEP:
+        dh = carry + _tile(dy, s_dy, rb, mb, ru, mu)
+        r = _tile(saved, s_s, rb, mb, ru, mu)
+        z = _tile(saved + H, s_s, rb, mb, ru, mu)
+        n = _tile(saved + 2 * H, s_s, rb, mb, ru, mu)
+        ghn = _tile(saved + 3 * H, s_s, rb, mb, ru, mu)
+        h = _tile(h_in, s_h, rb, mb, ru, mu)
+        if HAS_RESETS:
+            h = tl.where(_keep(resets, s_r, rb, mb, HAS_RESETS)[:, None], h, 0.0)
+        da_n = dh * (1.0 - z) * (1.0 - n * n)
+        da_r = da_n * ghn * r * (1.0 - r)
+        da_z = dh * (h - n) * z * (1.0 - z)
+        x = dgx + rb[:, None] * s_dgx + ru[None, :]
+        tl.store(x, da_r, mask=m)
+        tl.store(x + H, da_z, mask=m)
+        tl.store(x + 2 * H, da_n, mask=m)
+        hh = dgh + rb[:, None] * s_dgh + ru[None, :]
+        tl.store(hh, da_r, mask=m)
+        tl.store(hh + H, da_z, mask=m)
+        tl.store(hh + 2 * H, da_n * r, mask=m)
+        tl.store(dh_buf + rb[:, None] * s_dhb + ru[None, :], dh, mask=m)
+    else:
+        tl.store(dh_out + rb[:, None] * s_dho + ru[None, :], carry, mask=m)
 
 
 @triton.jit
 def lstm_fwd_kernel(gx, s_gx, w, s_w, bias, h_in, s_h, c_in, s_cin, resets, s_r, y, s_y, c_out, s_cout, saved,
-                    s_s, B, H: tl.constexpr, BB: tl.constexpr, BJ: tl.constexpr, BK: tl.constexpr,
-                    HAS_RESETS: tl.constexpr, HAS_BIAS: tl.constexpr):
-    rj = tl.program_id(0) * BJ + tl.arange(0, BJ)
+                    s_s, B, H: tl.constexpr, BB: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr,
+                    HAS_RESETS: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
+    ru = tl.program_id(0) * BU + tl.arange(0, BU)
     rb = tl.program_id(1) * BB + tl.arange(0, BB)
-    mj, mb = rj < H, rb < B
-    keep = rb >= 0
-    if HAS_RESETS:
-        keep = tl.load(resets + rb * s_r, mask=mb, other=1) == 0
-    acc_i = tl.zeros([BB, BJ], dtype=tl.float32)
-    acc_f = tl.zeros([BB, BJ], dtype=tl.float32)
-    acc_g = tl.zeros([BB, BJ], dtype=tl.float32)
-    acc_o = tl.zeros([BB, BJ], dtype=tl.float32)
-    for k0 in range(0, H, BK):
-        rk = k0 + tl.arange(0, BK)
-        mk = rk < H
-        hk = _load_state(h_in, s_h, rb, mb, rk, mk, keep, HAS_RESETS)
-        acc_i += _cols_dot(hk, w, s_w, 0, rj, mj, rk, mk)
-        acc_f += _cols_dot(hk, w, s_w, H, rj, mj, rk, mk)
-        acc_g += _cols_dot(hk, w, s_w, 2 * H, rj, mj, rk, mk)
-        acc_o += _cols_dot(hk, w, s_w, 3 * H, rj, mj, rk, mk)
+    mu, mb = ru < H, rb < B
+    keep = _keep(resets, s_r, rb, mb, HAS_RESETS)
+    a_i = _gate_preacts(h_in, s_h, keep, w, s_w, 0, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
+    a_f = _gate_preacts(h_in, s_h, keep, w, s_w, 1, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
+    a_g = _gate_preacts(h_in, s_h, keep, w, s_w, 2, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
+    a_o = _gate_preacts(h_in, s_h, keep, w, s_w, 3, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
     if HAS_BIAS:
-        acc_i += tl.load(bias + rj, mask=mj, other=0.0)[None, :]
-        acc_f += tl.load(bias + H + rj, mask=mj, other=0.0)[None, :]
-        acc_g += tl.load(bias + 2 * H + rj, mask=mj, other=0.0)[None, :]
-        acc_o += tl.load(bias + 3 * H + rj, mask=mj, other=0.0)[None, :]
-    m = mb[:, None] & mj[None, :]
-    g_ptr = gx + rb[:, None] * s_gx + rj[None, :]
-    i = _sigmoid(tl.load(g_ptr, mask=m, other=0.0) + acc_i)
-    f = _sigmoid(tl.load(g_ptr + H, mask=m, other=0.0) + acc_f)
-    g = _tanh(tl.load(g_ptr + 2 * H, mask=m, other=0.0) + acc_g)
-    o = _sigmoid(tl.load(g_ptr + 3 * H, mask=m, other=0.0) + acc_o)
-    c = f * _load_state(c_in, s_cin, rb, mb, rj, mj, keep, HAS_RESETS) + i * g
-    tl.store(y + rb[:, None] * s_y + rj[None, :], o * _tanh(c), mask=m)
-    tl.store(c_out + rb[:, None] * s_cout + rj[None, :], c, mask=m)
-    s = saved + rb[:, None] * s_s + rj[None, :]
+        a_i += tl.load(bias + ru, mask=mu, other=0.0)[None, :]
+        a_f += tl.load(bias + H + ru, mask=mu, other=0.0)[None, :]
+        a_g += tl.load(bias + 2 * H + ru, mask=mu, other=0.0)[None, :]
+        a_o += tl.load(bias + 3 * H + ru, mask=mu, other=0.0)[None, :]
+    i = _sigmoid(_tile(gx, s_gx, rb, mb, ru, mu) + a_i)
+    f = _sigmoid(_tile(gx + H, s_gx, rb, mb, ru, mu) + a_f)
+    g = _tanh(_tile(gx + 2 * H, s_gx, rb, mb, ru, mu) + a_g)
+    o = _sigmoid(_tile(gx + 3 * H, s_gx, rb, mb, ru, mu) + a_o)
+    c_prev = _tile(c_in, s_cin, rb, mb, ru, mu)
+    if HAS_RESETS:
+        c_prev = tl.where(keep[:, None], c_prev, 0.0)
+    c = f * c_prev + i * g
+    m = mb[:, None] & mu[None, :]
+    tl.store(y + rb[:, None] * s_y + ru[None, :], o * _tanh(c), mask=m)
+    tl.store(c_out + rb[:, None] * s_cout + ru[None, :], c, mask=m)
+    s = saved + rb[:, None] * s_s + ru[None, :]
     tl.store(s, i, mask=m)
     tl.store(s + H, f, mask=m)
     tl.store(s + 2 * H, g, mask=m)
@@ -197,61 +200,47 @@ def lstm_fwd_kernel(gx, s_gx, w, s_w, bias, h_in, s_h, c_in, s_cin, resets, s_r,
 
 
 @triton.jit
-def _lstm_grads(dy, s_dy, dh_in, s_dhi, dc_in, s_dci, saved, s_s, c_t, s_ct, c_prev, s_cp, rb, mb, rj, mj, keep,
-                H: tl.constexpr, HAS_RESETS: tl.constexpr):
-    """Step t's gradients at units ``rj``: ``(∂c_t in total, f, ∂a_i, ∂a_f, ∂a_g, ∂a_o)``."""
-    m = mb[:, None] & mj[None, :]
-    dh = (tl.load(dy + rb[:, None] * s_dy + rj[None, :], mask=m, other=0.0)
-          + tl.load(dh_in + rb[:, None] * s_dhi + rj[None, :], mask=m, other=0.0))
-    s = saved + rb[:, None] * s_s + rj[None, :]
-    i = tl.load(s, mask=m, other=0.0)
-    f = tl.load(s + H, mask=m, other=0.0)
-    g = tl.load(s + 2 * H, mask=m, other=0.0)
-    o = tl.load(s + 3 * H, mask=m, other=0.0)
-    tc = _tanh(tl.load(c_t + rb[:, None] * s_ct + rj[None, :], mask=m, other=0.0))
-    cp = _load_state(c_prev, s_cp, rb, mb, rj, mj, keep, HAS_RESETS)
-    dc = tl.load(dc_in + rb[:, None] * s_dci + rj[None, :], mask=m, other=0.0) + dh * o * (1.0 - tc * tc)
-    return dc, f, dc * g * i * (1.0 - i), dc * cp * f * (1.0 - f), dc * i * (1.0 - g * g), dh * tc * o * (1.0 - o)
-
-
-@triton.jit
-def lstm_bwd_kernel(dy, s_dy, dh_in, s_dhi, dc_in, s_dci, saved, s_s, c_t, s_ct, c_prev, s_cp, resets, s_r, w, s_w,
-                    dh_out, s_dho, dc_out, s_dco, dpre, s_dp, B, H: tl.constexpr, BB: tl.constexpr,
-                    BJ: tl.constexpr, BK: tl.constexpr, HAS_RESETS: tl.constexpr):
-    rk = tl.program_id(0) * BK + tl.arange(0, BK)
+def lstm_bwd_kernel(dpre_next, s_dpn, saved_next, s_sn, resets_next, s_rn, dh_buf, s_dhb, dc_buf, s_dcb, dy, s_dy,
+                    saved, s_s, c_t, s_ct, c_prev, s_cp, resets, s_r, w, s_w, dpre, s_dp, dh_out, s_dho, dc_out,
+                    s_dco, B, H: tl.constexpr, BB: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr,
+                    HAS_NEXT: tl.constexpr, HAS_STEP: tl.constexpr, HAS_RESETS: tl.constexpr, PREC: tl.constexpr):
+    ru = tl.program_id(0) * BU + tl.arange(0, BU)
     rb = tl.program_id(1) * BB + tl.arange(0, BB)
-    mk, mb = rk < H, rb < B
-    keep = rb >= 0
-    if HAS_RESETS:
-        keep = tl.load(resets + rb * s_r, mask=mb, other=1) == 0
-    acc = tl.zeros([BB, BK], dtype=tl.float32)
-    for j0 in range(0, H, BJ):
-        rj = j0 + tl.arange(0, BJ)
-        mj = rj < H
-        _, _, d_i, d_f, d_g, d_o = _lstm_grads(dy, s_dy, dh_in, s_dhi, dc_in, s_dci, saved, s_s, c_t, s_ct, c_prev,
-                                               s_cp, rb, mb, rj, mj, keep, H, HAS_RESETS)
-        acc += _rows_dot(d_i, w, s_w, 0, rj, mj, rk, mk)
-        acc += _rows_dot(d_f, w, s_w, H, rj, mj, rk, mk)
-        acc += _rows_dot(d_g, w, s_w, 2 * H, rj, mj, rk, mk)
-        acc += _rows_dot(d_o, w, s_w, 3 * H, rj, mj, rk, mk)
-    dc, f, d_i, d_f, d_g, d_o = _lstm_grads(dy, s_dy, dh_in, s_dhi, dc_in, s_dci, saved, s_s, c_t, s_ct, c_prev,
-                                            s_cp, rb, mb, rk, mk, keep, H, HAS_RESETS)
-    dc = dc * f
-    if HAS_RESETS:
-        acc = tl.where(keep[:, None], acc, 0.0)
-        dc = tl.where(keep[:, None], dc, 0.0)
-    m = mb[:, None] & mk[None, :]
-    tl.store(dh_out + rb[:, None] * s_dho + rk[None, :], acc, mask=m)
-    tl.store(dc_out + rb[:, None] * s_dco + rk[None, :], dc, mask=m)
-    p = dpre + rb[:, None] * s_dp + rk[None, :]
-    tl.store(p, d_i, mask=m)
-    tl.store(p + H, d_f, mask=m)
-    tl.store(p + 2 * H, d_g, mask=m)
-    tl.store(p + 3 * H, d_o, mask=m)
-
-
-def _grid(B: int, H: int, block: int) -> tuple[int, int]:
-    return triton.cdiv(H, block), triton.cdiv(B, BB)
+    mu, mb = ru < H, rb < B
+    m = mb[:, None] & mu[None, :]
+    # ∂L/∂h_t and ∂L/∂c_t from step t+1 (dh_buf, dc_buf hold ∂L/∂h_{t+1} and ∂L/∂c_{t+1} in total at these
+    # units), or the final state's gradients
+    carry_h = _tile(dh_buf, s_dhb, rb, mb, ru, mu)
+    carry_c = _tile(dc_buf, s_dcb, rb, mb, ru, mu)
+    if HAS_NEXT:
+        f_next = _tile(saved_next + H, s_sn, rb, mb, ru, mu)
+        carry_h = _through_weights(dpre_next, s_dpn, w, s_w, 4, rb, mb, ru, mu, H, BB, BU, BK, PREC)
+        carry_c = carry_c * f_next
+        if HAS_RESETS:
+            keep_next = _keep(resets_next, s_rn, rb, mb, HAS_RESETS)
+            carry_h = tl.where(keep_next[:, None], carry_h, 0.0)
+            carry_c = tl.where(keep_next[:, None], carry_c, 0.0)
+    if HAS_STEP:
+        dh = carry_h + _tile(dy, s_dy, rb, mb, ru, mu)
+        i = _tile(saved, s_s, rb, mb, ru, mu)
+        f = _tile(saved + H, s_s, rb, mb, ru, mu)
+        g = _tile(saved + 2 * H, s_s, rb, mb, ru, mu)
+        o = _tile(saved + 3 * H, s_s, rb, mb, ru, mu)
+        tc = _tanh(_tile(c_t, s_ct, rb, mb, ru, mu))
+        cp = _tile(c_prev, s_cp, rb, mb, ru, mu)
+        if HAS_RESETS:
+            cp = tl.where(_keep(resets, s_r, rb, mb, HAS_RESETS)[:, None], cp, 0.0)
+        dc = carry_c + dh * o * (1.0 - tc * tc)
+        p = dpre + rb[:, None] * s_dp + ru[None, :]
+        tl.store(p, dc * g * i * (1.0 - i), mask=m)
+        tl.store(p + H, dc * cp * f * (1.0 - f), mask=m)
+        tl.store(p + 2 * H, dc * i * (1.0 - g * g), mask=m)
+        tl.store(p + 3 * H, dh * tc * o * (1.0 - o), mask=m)
+        tl.store(dh_buf + rb[:, None] * s_dhb + ru[None, :], dh, mask=m)
+        tl.store(dc_buf + rb[:, None] * s_dcb + ru[None, :], dc, mask=m)
+    else:
+        tl.store(dh_out + rb[:, None] * s_dho + ru[None, :], carry_h, mask=m)
+        tl.store(dc_out + rb[:, None] * s_dco + ru[None, :], carry_c, mask=m)
 
 
 class _Scan(torch.autograd.Function):
@@ -263,82 +252,81 @@ class _Scan(torch.autograd.Function):
         H = w_hh.shape[1]
         lstm = cell == "lstm"
         y = gates_x.new_empty(B, T, H)
-        cs = gates_x.new_empty(B, T, H) if lstm else None
+        cs = gates_x.new_empty(B, T, H) if lstm else y
         saved = gates_x.new_empty(B, T, 4 * H)
-        r8 = resets.view(torch.uint8) if resets is not None else None
-        flags = dict(H=H, BB=BB, BJ=BJ, BK=BK, HAS_RESETS=resets is not None, HAS_BIAS=b_hh is not None)
+        r8 = resets.view(torch.uint8) if resets is not None else gates_x.new_empty(B, T, dtype=torch.uint8)
+        prec = "tf32" if torch.backends.cuda.matmul.allow_tf32 and gates_x.is_cuda else "ieee"
+        flags = dict(H=H, BB=BB, BU=BU, BK=_block_k(H), HAS_RESETS=resets is not None, HAS_BIAS=b_hh is not None,
+                     PREC=prec)
+        grid = (triton.cdiv(H, BU), triton.cdiv(B, BB))
         bias = b_hh if b_hh is not None else w_hh
         for t in range(T):
             h_in = h0 if t == 0 else y[:, t - 1]
-            rt = r8[:, t] if r8 is not None else gates_x
-            s_r = r8.stride(0) if r8 is not None else 0
             if lstm:
                 c_in = c0 if t == 0 else cs[:, t - 1]
-                lstm_fwd_kernel[_grid(B, H, BJ)](
+                lstm_fwd_kernel[grid](
                     gates_x[:, t], gates_x.stride(0), w_hh, w_hh.stride(0), bias, h_in, h_in.stride(0), c_in,
-                    c_in.stride(0), rt, s_r, y[:, t], y.stride(0), cs[:, t], cs.stride(0), saved[:, t],
-                    saved.stride(0), B, **flags)
+                    c_in.stride(0), r8[:, t], r8.stride(0), y[:, t], y.stride(0), cs[:, t], cs.stride(0),
+                    saved[:, t], saved.stride(0), B, **flags)
             else:
-                gru_fwd_kernel[_grid(B, H, BJ)](
-                    gates_x[:, t], gates_x.stride(0), w_hh, w_hh.stride(0), bias, h_in, h_in.stride(0), rt, s_r,
-                    y[:, t], y.stride(0), saved[:, t], saved.stride(0), B, **flags)
-        ctx.cell, ctx.has_bias, ctx.has_resets = cell, b_hh is not None, resets is not None
-        ctx.save_for_backward(w_hh, resets if resets is not None else w_hh, h0, c0 if lstm else h0, y,
-                              cs if lstm else y, saved)
-        h_T = y[:, T - 1].clone() if T else h0.clone()
-        if lstm:
-            return y, h_T, (cs[:, T - 1].clone() if T else c0.clone())
-        return y, h_T
+                gru_fwd_kernel[grid](
+                    gates_x[:, t], gates_x.stride(0), w_hh, w_hh.stride(0), bias, h_in, h_in.stride(0), r8[:, t],
+                    r8.stride(0), y[:, t], y.stride(0), saved[:, t], saved.stride(0), B, **flags)
+        ctx.cell, ctx.has_bias, ctx.has_resets, ctx.prec = cell, b_hh is not None, resets is not None, prec
+        ctx.save_for_backward(w_hh, r8, h0, c0 if lstm else h0, y, cs, saved)
+        h_T = y[:, T - 1].clone()
+        return (y, h_T, cs[:, T - 1].clone()) if lstm else (y, h_T)
 
     @staticmethod
     def backward(ctx, dy, dh_T, dc_T=None):
-        w_hh, resets, h0, c0, y, cs, saved = ctx.saved_tensors
-        resets = resets if ctx.has_resets else None
+        w_hh, r8, h0, c0, y, cs, saved = ctx.saved_tensors
         lstm = ctx.cell == "lstm"
         B, T, H = y.shape
         G = 4 if lstm else 3
         dy = torch.zeros_like(y) if dy is None else dy.contiguous()
-        dh = torch.zeros_like(h0) if dh_T is None else dh_T.contiguous().clone()
-        dh_next = torch.empty_like(dh)
-        if lstm:
-            dc = torch.zeros_like(h0) if dc_T is None else dc_T.contiguous().clone()
-            dc_next = torch.empty_like(dc)
+        dh_buf = torch.zeros_like(h0) if dh_T is None else dh_T.contiguous().clone()
+        dh0 = torch.empty_like(h0)
         dgx = y.new_empty(B, T, G * H)
         dgh = dgx if lstm else y.new_empty(B, T, G * H)  # the LSTM's two are one: a = W_ih x + W_hh h + biases
-        r8 = resets.view(torch.uint8) if resets is not None else None
-        flags = dict(H=H, BB=BB, BJ=BJ, BK=BK, HAS_RESETS=resets is not None)
-        for t in range(T - 1, -1, -1):
-            h_in = h0 if t == 0 else y[:, t - 1]
-            rt = r8[:, t] if r8 is not None else y
-            s_r = r8.stride(0) if r8 is not None else 0
+        if lstm:
+            dc_buf = torch.zeros_like(h0) if dc_T is None else dc_T.contiguous().clone()
+            dc0 = torch.empty_like(h0)
+        flags = dict(H=H, BB=BB, BU=BU, BK=_block_k(H), HAS_RESETS=ctx.has_resets, PREC=ctx.prec)
+        grid = (triton.cdiv(H, BU), triton.cdiv(B, BB))
+        for t in range(T - 1, -2, -1):
+            nxt, cur = min(t + 1, T - 1), max(t, 0)  # stand-ins where a launch has no next step or no step
+            h_in = h0 if t <= 0 else y[:, t - 1]
+            step = dict(HAS_NEXT=t < T - 1, HAS_STEP=t >= 0, **flags)
             if lstm:
-                c_prev = c0 if t == 0 else cs[:, t - 1]
-                lstm_bwd_kernel[_grid(B, H, BK)](
-                    dy[:, t], dy.stride(0), dh, dh.stride(0), dc, dc.stride(0), saved[:, t], saved.stride(0),
-                    cs[:, t], cs.stride(0), c_prev, c_prev.stride(0), rt, s_r, w_hh, w_hh.stride(0), dh_next,
-                    dh_next.stride(0), dc_next, dc_next.stride(0), dgx[:, t], dgx.stride(0), B, **flags)
-                dc, dc_next = dc_next, dc
+                c_prev = c0 if t <= 0 else cs[:, t - 1]
+                lstm_bwd_kernel[grid](
+                    dgx[:, nxt], dgx.stride(0), saved[:, nxt], saved.stride(0), r8[:, nxt], r8.stride(0), dh_buf,
+                    dh_buf.stride(0), dc_buf, dc_buf.stride(0), dy[:, cur], dy.stride(0), saved[:, cur],
+                    saved.stride(0), cs[:, cur], cs.stride(0), c_prev, c_prev.stride(0), r8[:, cur], r8.stride(0),
+                    w_hh, w_hh.stride(0), dgx[:, cur], dgx.stride(0), dh0, dh0.stride(0), dc0, dc0.stride(0), B,
+                    **step)
             else:
-                gru_bwd_kernel[_grid(B, H, BK)](
-                    dy[:, t], dy.stride(0), dh, dh.stride(0), saved[:, t], saved.stride(0), h_in, h_in.stride(0),
-                    rt, s_r, w_hh, w_hh.stride(0), dh_next, dh_next.stride(0), dgx[:, t], dgx.stride(0),
-                    dgh[:, t], dgh.stride(0), B, **flags)
-            dh, dh_next = dh_next, dh
+                gru_bwd_kernel[grid](
+                    dgh[:, nxt], dgh.stride(0), saved[:, nxt], saved.stride(0), r8[:, nxt], r8.stride(0), dh_buf,
+                    dh_buf.stride(0), dy[:, cur], dy.stride(0), saved[:, cur], saved.stride(0), h_in,
+                    h_in.stride(0), r8[:, cur], r8.stride(0), w_hh, w_hh.stride(0), dgx[:, cur], dgx.stride(0),
+                    dgh[:, cur], dgh.stride(0), dh0, dh0.stride(0), B, **step)
         # the states each step read: h_{t−1}, zero where step t reset it
         h_prev = torch.cat([h0.unsqueeze(1), y[:, :-1]], 1)
-        if resets is not None:
-            h_prev = h_prev.masked_fill(resets.unsqueeze(-1), 0.0)
+        if ctx.has_resets:
+            h_prev = h_prev.masked_fill(r8.bool().unsqueeze(-1), 0.0)
         flat = dgh.reshape(B * T, G * H)
         dw = flat.t() @ h_prev.reshape(B * T, H)
         db = flat.sum(0) if ctx.has_bias else None
-        return None, dgx, dw, db, None, dh, (dc if lstm else None)
+        return None, dgx, dw, db, None, dh0, (dc0 if lstm else None)
 
 
 def scan_triton(cell: str, gates_x: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.Tensor | None,
                 parts: tuple[torch.Tensor, ...], resets: torch.Tensor | None
                 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """:func:`rlseq.kernels.rnn.rnn_scan` after validation (float32 tensors): ``(y [B, T, H], final parts)``. No
-    host sync and no allocation outside torch's allocator: a CUDA graph can capture it, forward and backward."""
+    """:func:`rlseq.kernels.rnn.rnn_scan` after validation (float32 tensors, ``T ≥ 1``): ``(y [B, T, H], final
+    parts)``. No host sync and no allocation outside torch's allocator: a CUDA graph can capture it, forward and
+    backward."""
     c = lambda x: x if x.is_contiguous() else x.contiguous()  # noqa: E731
     gates_x, w_hh = c(gates_x), c(w_hh)
     b_hh = c(b_hh) if b_hh is not None else None
