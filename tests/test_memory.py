@@ -93,10 +93,13 @@ CONSISTENCY_CASES = [pytest.param(name, "torch", {}, id=f"{name}-torch") for nam
 
 
 def _memory(name: str, backend: str = "torch", seed: int = 0, **kw) -> Memory:
+    """A small memory; ``backend`` is the delta-rule kernels' (the RNNs' scan backend is ``scan_backend``)."""
     torch.manual_seed(seed)
     extra = dict(SMALL[name])
     if name in ("efla", "deltanet"):
         extra["backend"] = backend
+    if "scan_backend" in kw:
+        extra["backend"] = kw.pop("scan_backend")
     extra.update(kw)
     return make_memory(name, F_IN, **extra)
 
@@ -603,6 +606,38 @@ def test_rnn_capturable_scan_matches_float64_loop(name, hidden_size, num_layers,
     torch.testing.assert_close(m(x, s0, r)[0], y, atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize(("name", "hidden_size", "num_layers", "bias"), [("gru", 12, 2, True), ("lstm", 9, 1, False)])
+def test_rnn_triton_scan_in_the_block_matches_float64_loop(name, hidden_size, num_layers, bias):
+    """The capturable pass with the Triton scan (interpreted here) against the float64 per-step loop, as the torch
+    scan is above: outputs, final state and every gradient, resets at random positions."""
+    m = _memory(name, hidden_size=hidden_size, num_layers=num_layers, bias=bias, scan_backend="triton")
+    m.capturable_training(True)
+    x, r = _sequence(4, 19)
+    s0 = _random_state(m, 4).requires_grad_(True)
+    y, f = m(x, s0, r)
+    m64 = copy.deepcopy(m).double()
+    s64 = s0.detach().double().requires_grad_(True)
+    y_ref, f_ref = _rnn_loop(m64, x.double(), s64, r)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(f.double(), f_ref, atol=1e-5, rtol=1e-5)
+    g = torch.Generator().manual_seed(4)
+    probe_y, probe_f = torch.randn(y.shape, generator=g), torch.randn(f.shape, generator=g)
+    grads = torch.autograd.grad((y * probe_y).sum() + (f * probe_f).sum(), [s0, *m.parameters()])
+    grads_ref = torch.autograd.grad((y_ref * probe_y.double()).sum() + (f_ref * probe_f.double()).sum(),
+                                    [s64, *m64.parameters()])
+    for (n, _), gr, gr_ref in zip([("state", s0), *m.named_parameters()], grads, grads_ref):
+        scale = gr_ref.abs().max().clamp_min(1e-3)
+        assert float((gr.double() - gr_ref).abs().max() / scale) < 1e-5, n
+
+
+def test_rnn_graph_auto_follows_the_scan_backend():
+    """auto captures the GRU and LSTM with the Triton scan, not with the torch loop (slower captured than cuDNN)."""
+    assert _memory("gru").train_graph_auto and _memory("lstm", scan_backend="triton").train_graph_auto
+    assert not _memory("gru", scan_backend="torch").train_graph_auto
+    with pytest.raises(ValueError, match="valid: torch, triton"):
+        _memory("lstm", scan_backend="cuda")
+
+
 @pytest.mark.filterwarnings("ignore:dropout option adds dropout after all but last")  # nn.GRU's, at one layer
 @pytest.mark.parametrize("num_layers", [1, 2, 3])
 def test_rnn_capturable_scan_applies_dropout_between_layers_as_nn_gru(monkeypatch, num_layers):
@@ -629,7 +664,8 @@ def test_rnn_capturable_scan_applies_dropout_between_layers_as_nn_gru(monkeypatc
 def test_rnn_capturable_scan_reaches_both_critic_memories():
     pair = ActorCriticMemory("lstm", F_IN, **SMALL["lstm"])
     pair.capturable_training(True)
-    assert pair.actor._scan_resets and pair.critic._scan_resets and not pair.train_graph_auto
+    assert pair.actor._scan_resets and pair.critic._scan_resets and pair.train_graph_auto
+    assert not ActorCriticMemory("lstm", F_IN, backend="torch", **SMALL["lstm"]).train_graph_auto
     assert ActorCriticMemory("efla", F_IN, **SMALL["efla"]).train_graph_auto
 
 

@@ -267,7 +267,7 @@ def test_cuda_graph_train_true_warns_once_false_never_and_other_values_are_refus
         _cartpole(cuda_graph_train="auto")
 
 
-def test_obstacles_name_the_unfused_optimizer_and_target_kl_and_auto_leaves_out_the_rnns():
+def test_obstacles_name_the_unfused_optimizer_and_target_kl_and_auto_leaves_out_the_rnn_loop():
     assert graph_obstacles(_cartpole()) == ["the model is on cpu, not a CUDA device"]
     unfused = _cartpole(optimizer_kwargs=None)
     reasons = graph_obstacles(unfused)
@@ -280,9 +280,12 @@ def test_obstacles_name_the_unfused_optimizer_and_target_kl_and_auto_leaves_out_
     capturable = _cartpole(optimizer_kwargs=dict(eps=1e-5, capturable=True))
     assert any("fused=True" in r for r in graph_obstacles(capturable))  # unfused capturable Adam refuses found_inf
     assert any("target_kl=0.02" in r for r in graph_obstacles(_cartpole(target_kl=0.02)))
-    for memory in ("gru", "lstm"):  # capturable (their scan), but auto trains them eagerly; asked for, they are wanted
+    for memory in ("gru", "lstm"):  # auto captures them with the Triton scan, and not with the torch loop
         assert graph_obstacles(_cartpole(memory)) == ["the model is on cpu, not a CUDA device"]
-        assert not _cartpole(memory)._graph_wanted() and _cartpole(memory, cuda_graph_train=True)._graph_wanted()
+        assert _cartpole(memory)._graph_wanted()
+        loop = _cartpole(memory, memory_kwargs=dict(backend="torch"))
+        assert not loop._graph_wanted()
+        assert _cartpole(memory, cuda_graph_train=True, memory_kwargs=dict(backend="torch"))._graph_wanted()
     assert _cartpole("efla")._graph_wanted() and not _cartpole("efla", cuda_graph_train=False)._graph_wanted()
     env = make_vec_env("CartPole-v1", n_envs=2, seed=0)
     adamw = MemoryPPO("MlpPolicy", env, n_steps=8, n_minibatches=2, device="cpu",

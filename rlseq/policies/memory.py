@@ -365,6 +365,9 @@ class _DeltaRuleMemory(Memory):
             raise ValueError(f"head_dim and value_dim must be >= 1, got {self.head_dim}, {self.value_dim}")
         self.query_norm = bool(query_norm)
         self.backend = backend
+        # auto captures them with the Triton scan (one launch per step; captured, faster than cuDNN's packed call
+        # run eagerly, docs/benchmarks.md) but not with the torch loop (about 20 launches per step: slower)
+        self.train_graph_auto = backend != "torch"
         self.chunk_size = chunk_size
         H, K, V = self.n_heads, self.head_dim, self.value_dim
         if isinstance(rotary_max_freq, bool) or not (0 < rotary_max_freq <= math.pi):
@@ -835,9 +838,6 @@ class _RNNMemory(Memory):
     the rest go to ``nn.GRU`` / ``nn.LSTM``.
     """
 
-    # auto trains them eagerly: the capturable scan replaces one cuDNN call by T small steps per layer, and
-    # captured it ran 1-3% slower than the packed eager call at --fast settings (docs/benchmarks.md)
-    train_graph_auto = False
     # nn.GRU / nn.LSTM keywords set here, or that the block cannot carry (proj_size changes the shape of h, which
     # the state and the output projection assume to be hidden_size): the others may be passed on
     fixed_rnn_keywords = ("mode", "input_size", "hidden_size", "num_layers", "batch_first", "bidirectional",
@@ -854,6 +854,9 @@ class _RNNMemory(Memory):
             raise ValueError(f"unknown backend {backend!r} for the {self.name} scan; valid: torch, triton (or None: "
                              "triton on float32 CUDA tensors, torch otherwise)")
         self.backend = backend
+        # auto captures them with the Triton scan (one launch per step; captured, faster than cuDNN's packed call
+        # run eagerly, docs/benchmarks.md) but not with the torch loop (about 20 launches per step: slower)
+        self.train_graph_auto = backend != "torch"
         if rnn_kwargs.pop("batch_first", True) is not True or rnn_kwargs.get("bidirectional"):
             raise ValueError(f"{type(self).__name__} is always batch_first and unidirectional")
         if recurrent_init not in RECURRENT_INITS:
