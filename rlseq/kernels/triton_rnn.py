@@ -30,12 +30,12 @@ BU = 16  # hidden units per program: at hidden 256, 16 programs per launch
 
 
 def matmul_precision(device: torch.device) -> str:
-    """``tl.dot``'s input precision: TF32 where torch's matmul switch allows it, else three TF32 products
-    (``tf32x3``: float32's accuracy on the tensor cores, about twice as fast here as IEEE float32 on the CUDA cores);
-    the interpreter computes in IEEE float32."""
-    if device.type != "cuda":
-        return "ieee"
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+    """``tl.dot``'s input precision: TF32 where torch's matmul switch allows it (a GRU scan of 256 steps at hidden 256,
+    fwd+bwd, 3.2 ms on an H100 against 7.0-7.3 ms in float32), IEEE float32 otherwise (three TF32 products,
+    ``tf32x3``, measured no faster: 7.0 ms)."""
+    if device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
 
 
 def _block_k(H: int) -> int:
