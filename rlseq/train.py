@@ -114,8 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replay each PPO minibatch update (forward, loss, backward, clipping, Adam step) from a CUDA "
                         "graph: same computation, one launch per minibatch instead of hundreds; needs --fused-adam "
                         "(config: cuda_graph_train; default auto: on wherever it can be used, i.e. on a GPU with fused Adam, "
-                        "eager otherwise and for --memory gru and lstm, whose capturable pass scans over time instead "
-                        "of one cuDNN call; --no-cuda-graph-train: always eager)")
+                        "eager otherwise; --memory gru and lstm then scan over time in Triton instead of one cuDNN "
+                        "call; --no-cuda-graph-train: always eager)")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory layout for the CNN (cuDNN's tensor-core layout, mostly with --amp bf16; "
                         "config: channels_last; default off)")

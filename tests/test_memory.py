@@ -571,6 +571,26 @@ def test_rnn_exact_resets(name, with_resets, join):
         torch.testing.assert_close(g, g_ref, atol=1e-4, rtol=1e-4)
 
 
+def _scan_matches_float64_loop(m, x, s0, r, with_resets: bool = True) -> torch.Tensor:
+    """``m``'s pass (``resets`` None without resets) against :func:`_rnn_loop` on a float64 copy: outputs, final
+    state and the gradients of the parameters and ``s0`` of a random probe. Returns the outputs."""
+    y, f = m(x, s0, r if with_resets else None)
+    m64 = copy.deepcopy(m).double()
+    s64 = s0.detach().double().requires_grad_(True)
+    y_ref, f_ref = _rnn_loop(m64, x.double(), s64, r)
+    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(f.double(), f_ref, atol=1e-5, rtol=1e-5)
+    g = torch.Generator().manual_seed(4)
+    probe_y, probe_f = torch.randn(y.shape, generator=g), torch.randn(f.shape, generator=g)
+    grads = torch.autograd.grad((y * probe_y).sum() + (f * probe_f).sum(), [s0, *m.parameters()])
+    grads_ref = torch.autograd.grad((y_ref * probe_y.double()).sum() + (f_ref * probe_f.double()).sum(),
+                                    [s64, *m64.parameters()])
+    for (n, _), gr, gr_ref in zip([("state", s0), *m.named_parameters()], grads, grads_ref):
+        scale = gr_ref.abs().max().clamp_min(1e-3)
+        assert float((gr.double() - gr_ref).abs().max() / scale) < 1e-5, n
+    return y
+
+
 @pytest.mark.parametrize("join", JOINS)
 @pytest.mark.parametrize(("name", "hidden_size", "num_layers", "T", "bias"),
                          [("gru", 12, 2, 23, True), ("gru", 7, 1, 17, False), ("lstm", 20, 2, 23, True),
@@ -587,20 +607,7 @@ def test_rnn_capturable_scan_matches_float64_loop(name, hidden_size, num_layers,
     if not with_resets:
         r = torch.zeros_like(r)
     s0 = _random_state(m, 4).requires_grad_(True)
-    y, f = m(x, s0, r if with_resets else None)
-    m64 = copy.deepcopy(m).double()
-    s64 = s0.detach().double().requires_grad_(True)
-    y_ref, f_ref = _rnn_loop(m64, x.double(), s64, r)
-    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(f.double(), f_ref, atol=1e-5, rtol=1e-5)
-    g = torch.Generator().manual_seed(4)
-    probe_y, probe_f = torch.randn(y.shape, generator=g), torch.randn(f.shape, generator=g)
-    grads = torch.autograd.grad((y * probe_y).sum() + (f * probe_f).sum(), [s0, *m.parameters()])
-    grads_ref = torch.autograd.grad((y_ref * probe_y.double()).sum() + (f_ref * probe_f.double()).sum(),
-                                    [s64, *m64.parameters()])
-    for (n, _), gr, gr_ref in zip([("state", s0), *m.named_parameters()], grads, grads_ref):
-        scale = gr_ref.abs().max().clamp_min(1e-3)
-        assert float((gr.double() - gr_ref).abs().max() / scale) < 1e-5, n
+    y = _scan_matches_float64_loop(m, x, s0, r, with_resets)
     # back on the default path: the packed cuDNN call gives the same function
     m.capturable_training(False)
     torch.testing.assert_close(m(x, s0, r)[0], y, atol=TOL, rtol=TOL)
@@ -613,27 +620,14 @@ def test_rnn_triton_scan_in_the_block_matches_float64_loop(name, hidden_size, nu
     m = _memory(name, hidden_size=hidden_size, num_layers=num_layers, bias=bias, scan_backend="triton")
     m.capturable_training(True)
     x, r = _sequence(4, 19)
-    s0 = _random_state(m, 4).requires_grad_(True)
-    y, f = m(x, s0, r)
-    m64 = copy.deepcopy(m).double()
-    s64 = s0.detach().double().requires_grad_(True)
-    y_ref, f_ref = _rnn_loop(m64, x.double(), s64, r)
-    torch.testing.assert_close(y.double(), y_ref, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(f.double(), f_ref, atol=1e-5, rtol=1e-5)
-    g = torch.Generator().manual_seed(4)
-    probe_y, probe_f = torch.randn(y.shape, generator=g), torch.randn(f.shape, generator=g)
-    grads = torch.autograd.grad((y * probe_y).sum() + (f * probe_f).sum(), [s0, *m.parameters()])
-    grads_ref = torch.autograd.grad((y_ref * probe_y.double()).sum() + (f_ref * probe_f.double()).sum(),
-                                    [s64, *m64.parameters()])
-    for (n, _), gr, gr_ref in zip([("state", s0), *m.named_parameters()], grads, grads_ref):
-        scale = gr_ref.abs().max().clamp_min(1e-3)
-        assert float((gr.double() - gr_ref).abs().max() / scale) < 1e-5, n
+    _scan_matches_float64_loop(m, x, _random_state(m, 4).requires_grad_(True), r)
 
 
 def test_rnn_graph_auto_follows_the_scan_backend():
     """auto captures the GRU and LSTM with the Triton scan, not with the torch loop (slower captured than cuDNN)."""
     assert _memory("gru").train_graph_auto and _memory("lstm", scan_backend="triton").train_graph_auto
     assert not _memory("gru", scan_backend="torch").train_graph_auto
+    assert _memory("efla", backend="torch").train_graph_auto  # the delta rules' captured passes are their kernels'
     with pytest.raises(ValueError, match="valid: torch, triton"):
         _memory("lstm", scan_backend="cuda")
 

@@ -83,7 +83,8 @@ class MemoryPPO(PPO):
     training pass is made capturable for it (:meth:`~rlseq.policies.memory.Memory.capturable_training`: the GRU and
     LSTM then scan over time instead of packing episode segments for cuDNN). ``None`` (the default, "auto") uses the
     graph whenever nothing stands in the way, except for memories whose capturable pass is not known to be faster
-    (``memory.train_graph_auto`` False: the GRU and LSTM), and otherwise trains eagerly without a word; ``True``
+    (``memory.train_graph_auto`` False: the GRU and LSTM with ``backend="torch"``, whose scan is a loop of small
+    kernels), and otherwise trains eagerly without a word; ``True``
     asks for it: when it cannot be used, ``train()`` warns once why and runs its eager loop; ``False`` always trains
     eagerly. It is saved with the model (set ``model.cuda_graph_train`` after loading to change it). A capture that
     fails raises, auto or not (an aborted capture can leave the process's CUDA state unusable). With the graph a

@@ -14,7 +14,8 @@ What a graph needs, and how the update provides it:
   restored too), so the parameters and the optimizer state stay those before the bad minibatch, as when the eager
   loop raises there; the flag and the statistics are read once, after the last minibatch (:meth:`TrainStep.read`);
 - a memory pass without host reads: :meth:`~rlseq.policies.memory.Memory.capturable_training` (the GRU and LSTM
-  scan over time instead of packing episode segments, whose lengths cuDNN reads on the host);
+  scan over time, :func:`~rlseq.kernels.rnn.rnn_scan`, instead of packing episode segments, whose lengths cuDNN
+  reads on the host);
 - capturable kernels: warm-up updates on a side stream first (lazy initialisation, Triton compilation, Adam's
   state), ``zero_grad(set_to_none=True)`` so that backward makes the gradients in the graph's own memory, and
   the policy's distributions made without argument checks (each one is a host sync).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import numbers
 import os
 
@@ -16,13 +17,14 @@ TRITON_CHUNK = 16  # the triton backend's one chunk length
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def triton_available(device: torch.device) -> bool:
+def triton_available(device: torch.device, module: str = "rlseq.kernels.triton_ops") -> bool:
     """Whether the Triton backend can run on ``device``: CUDA with triton installed, or any device under
-    ``TRITON_INTERPRET=1`` (the interpreter runs kernels on CPU tensors)."""
+    ``TRITON_INTERPRET=1`` (the interpreter runs kernels on CPU tensors). ``module``: the kernels' module, imported
+    to check (the delta rules' by default)."""
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     try:
-        import rlseq.kernels.triton_ops  # noqa: F401
+        importlib.import_module(module)
     except ImportError:
         return False
     return True

@@ -13,10 +13,10 @@ the state zeroed where an episode starts does not.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from rlseq.kernels.api import triton_available
 
 CELLS = {"gru": (3, 1), "lstm": (4, 2)}  # cell -> (gates, state parts)
 BACKENDS = ("reference", "torch", "triton")
@@ -48,13 +48,7 @@ _CELL_FUNCTIONS = {"gru": gru_cell, "lstm": lstm_cell}
 def triton_scan_available(device: torch.device) -> bool:
     """Whether the Triton scan can run on ``device``: CUDA with triton installed, or any device under
     ``TRITON_INTERPRET=1``."""
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return False
-    try:
-        import rlseq.kernels.triton_rnn  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return triton_available(device, "rlseq.kernels.triton_rnn")
 
 
 def rnn_scan(cell: str, gates_x: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.Tensor | None,

@@ -64,6 +64,12 @@ def _tile(ptr, s_b, rb, mb, rc, mc):
 
 
 @triton.jit
+def _bias(bias, gate, ru, mu, H: tl.constexpr):
+    """Gate ``gate``'s recurrent bias at units ``ru``, as a row ``[1, BU]``."""
+    return tl.load(bias + gate * H + ru, mask=mu, other=0.0)[None, :]
+
+
+@triton.jit
 def _keep(resets, s_r, rb, mb, HAS_RESETS: tl.constexpr):
     """Per sequence: True where the step does not start an episode."""
     keep = rb >= 0
@@ -116,9 +122,9 @@ def gru_fwd_kernel(gx, s_gx, w, s_w, bias, h_in, s_h, resets, s_r, y, s_y, saved
     a_z = _gate_preacts(h_in, s_h, keep, w, s_w, 1, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
     a_n = _gate_preacts(h_in, s_h, keep, w, s_w, 2, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
     if HAS_BIAS:
-        a_r += tl.load(bias + ru, mask=mu, other=0.0)[None, :]
-        a_z += tl.load(bias + H + ru, mask=mu, other=0.0)[None, :]
-        a_n += tl.load(bias + 2 * H + ru, mask=mu, other=0.0)[None, :]
+        a_r += _bias(bias, 0, ru, mu, H)
+        a_z += _bias(bias, 1, ru, mu, H)
+        a_n += _bias(bias, 2, ru, mu, H)
     r = _sigmoid(_tile(gx, s_gx, rb, mb, ru, mu) + a_r)
     z = _sigmoid(_tile(gx + H, s_gx, rb, mb, ru, mu) + a_z)
     n = _tanh(_tile(gx + 2 * H, s_gx, rb, mb, ru, mu) + r * a_n)
@@ -188,10 +194,10 @@ def lstm_fwd_kernel(gx, s_gx, w, s_w, bias, h_in, s_h, c_in, s_cin, resets, s_r,
     a_g = _gate_preacts(h_in, s_h, keep, w, s_w, 2, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
     a_o = _gate_preacts(h_in, s_h, keep, w, s_w, 3, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
     if HAS_BIAS:
-        a_i += tl.load(bias + ru, mask=mu, other=0.0)[None, :]
-        a_f += tl.load(bias + H + ru, mask=mu, other=0.0)[None, :]
-        a_g += tl.load(bias + 2 * H + ru, mask=mu, other=0.0)[None, :]
-        a_o += tl.load(bias + 3 * H + ru, mask=mu, other=0.0)[None, :]
+        a_i += _bias(bias, 0, ru, mu, H)
+        a_f += _bias(bias, 1, ru, mu, H)
+        a_g += _bias(bias, 2, ru, mu, H)
+        a_o += _bias(bias, 3, ru, mu, H)
     i = _sigmoid(_tile(gx, s_gx, rb, mb, ru, mu) + a_i)
     f = _sigmoid(_tile(gx + H, s_gx, rb, mb, ru, mu) + a_f)
     g = _tanh(_tile(gx + 2 * H, s_gx, rb, mb, ru, mu) + a_g)

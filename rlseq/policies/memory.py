@@ -365,9 +365,6 @@ class _DeltaRuleMemory(Memory):
             raise ValueError(f"head_dim and value_dim must be >= 1, got {self.head_dim}, {self.value_dim}")
         self.query_norm = bool(query_norm)
         self.backend = backend
-        # auto captures them with the Triton scan (one launch per step; captured, faster than cuDNN's packed call
-        # run eagerly, docs/benchmarks.md) but not with the torch loop (about 20 launches per step: slower)
-        self.train_graph_auto = backend != "torch"
         self.chunk_size = chunk_size
         H, K, V = self.n_heads, self.head_dim, self.value_dim
         if isinstance(rotary_max_freq, bool) or not (0 < rotary_max_freq <= math.pi):
