@@ -27,6 +27,8 @@ import triton.language as tl
 
 BB = 16  # sequences per program (tl.dot's smallest tile)
 BU = 16  # hidden units per program: at hidden 256, 16 programs per launch
+BK_MAX = 128  # the reduction's largest block
+NUM_WARPS = 4
 
 
 def matmul_precision(device: torch.device) -> str:
@@ -39,8 +41,9 @@ def matmul_precision(device: torch.device) -> str:
 
 
 def _block_k(H: int) -> int:
-    """The reduction's block: the whole hidden size in one load up to 128, so a program's loads go out at once."""
-    return min(128, max(16, triton.next_power_of_2(H)))
+    """The reduction's block: the whole hidden size in one load up to ``BK_MAX``, so a program's loads go out at
+    once."""
+    return min(BK_MAX, max(16, triton.next_power_of_2(H)))
 
 
 @triton.jit
@@ -274,7 +277,7 @@ class _Scan(torch.autograd.Function):
         r8 = resets.view(torch.uint8) if resets is not None else gates_x.new_empty(B, T, dtype=torch.uint8)
         prec = matmul_precision(gates_x.device)
         flags = dict(H=H, BB=BB, BU=BU, BK=_block_k(H), HAS_RESETS=resets is not None, HAS_BIAS=b_hh is not None,
-                     PREC=prec)
+                     PREC=prec, num_warps=NUM_WARPS)
         grid = (triton.cdiv(H, BU), triton.cdiv(B, BB))
         bias = b_hh if b_hh is not None else w_hh
         for t in range(T):
@@ -308,7 +311,8 @@ class _Scan(torch.autograd.Function):
         if lstm:
             dc_buf = torch.zeros_like(h0) if dc_T is None else dc_T.contiguous().clone()
             dc0 = torch.empty_like(h0)
-        flags = dict(H=H, BB=BB, BU=BU, BK=_block_k(H), HAS_RESETS=ctx.has_resets, PREC=ctx.prec)
+        flags = dict(H=H, BB=BB, BU=BU, BK=_block_k(H), HAS_RESETS=ctx.has_resets, PREC=ctx.prec,
+                     num_warps=NUM_WARPS)
         grid = (triton.cdiv(H, BU), triton.cdiv(B, BB))
         for t in range(T - 1, -2, -1):
             nxt, cur = min(t + 1, T - 1), max(t, 0)  # stand-ins where a launch has no next step or no step
