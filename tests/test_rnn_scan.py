@@ -77,6 +77,29 @@ def test_triton_scan_matches_float64_loop(cell, B, T, H, bias, with_resets):
     _assert_matches(got, ref, 1e-5)
 
 
+@pytest.mark.parametrize("backend", ["reference", "torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_a_reset_cuts_the_gradient_exactly(cell, backend):
+    """No gradient reaches the entering state of a sequence that starts an episode at step 0, nor (with NaN in
+    it) does its NaN reach any output: the state is replaced, not multiplied by zero. Exact zeros, on every
+    backend (interpreted, the Triton programs run one after another: races show only on a GPU, in gpu-check and
+    these tests run with TRITON_INTERPRET=0)."""
+    gates_x, w, b, parts, resets = _inputs(cell, 3, 7, 20, seed=11)
+    resets[0, 0] = True
+    dtype = torch.float64 if backend == "reference" else torch.float32
+    device = DEVICE if backend == "triton" else "cpu"
+    poisoned = tuple(p.clone() for p in parts)
+    for p in poisoned:
+        p[0] = float("nan")
+    leaves = [x.to(device, dtype).requires_grad_() for x in poisoned]
+    y, final = rnn_scan(cell, gates_x.to(device, dtype), w.to(device, dtype), b.to(device, dtype), tuple(leaves),
+                        resets.to(device), backend=backend)
+    assert torch.isfinite(y).all() and all(torch.isfinite(f).all() for f in final)
+    grads = torch.autograd.grad(y.sum() + sum(f.sum() for f in final), leaves)
+    for g in grads:
+        assert torch.equal(g[0], torch.zeros_like(g[0])) and g[1:].abs().sum() > 0
+
+
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_torch_scan_matches_float64_loop(cell):
     inputs = _inputs(cell, 3, 29, 11, seed=3)
@@ -126,8 +149,13 @@ def test_bad_input_names_what_is_expected():
                  parts)
     with pytest.raises(ValueError, match=r"resets must be a bool tensor of shape \[B, T\] = \[2, 3\]"):
         rnn_scan("gru", gates_x, w, b, parts, resets.float())
-    with pytest.raises(ValueError, match="unknown backend 'cudnn'; valid backends: reference, torch, triton"):
-        rnn_scan("gru", gates_x, w, b, parts, backend="cudnn")
+    for T in (3, 0):  # with no step to scan too
+        with pytest.raises(ValueError, match="unknown backend 'cudnn'; valid backends: reference, torch, triton"):
+            rnn_scan("gru", gates_x[:, :T], w, b, parts, resets[:, :T], backend="cudnn")
+    with pytest.raises(ValueError, match="w_hh has dtype torch.float32, but gates_x has torch.float64"):
+        rnn_scan("gru", gates_x, w.float(), b, parts)
+    with pytest.raises(ValueError, match="parts.0. is on meta, but gates_x is on cpu"):
+        rnn_scan("gru", gates_x, w, b, (parts[0].to("meta"),))
     if triton_scan_available(gates_x.device):
         with pytest.raises(ValueError, match="the triton scan computes in float32"):
             rnn_scan("gru", gates_x, w, b, parts, backend="triton")

@@ -87,8 +87,15 @@ def rnn_scan(cell: str, gates_x: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.T
     if resets is not None and (tuple(resets.shape) != (B, T) or resets.dtype != torch.bool):
         raise ValueError(f"resets must be a bool tensor of shape [B, T] = {[B, T]}, got {resets.dtype} "
                          f"{list(resets.shape)}")
-    if T == 0:  # nothing to scan: the state passes through
-        return gates_x.new_zeros(B, 0, H), tuple(parts)
+    named = {"gates_x": gates_x, "w_hh": w_hh, "b_hh": b_hh, "resets": resets,
+             **{f"parts[{i}]": p for i, p in enumerate(parts)}}
+    for name, x in named.items():
+        if x is not None and x.device != gates_x.device:
+            raise ValueError(f"{name} is on {x.device}, but gates_x is on {gates_x.device}: all inputs must share a "
+                             "device")
+        if x is not None and name != "resets" and x.dtype != gates_x.dtype:
+            raise ValueError(f"{name} has dtype {x.dtype}, but gates_x has {gates_x.dtype}: the floating inputs "
+                             "must share a dtype")
     if backend is None:
         backend = ("triton" if gates_x.is_cuda and gates_x.dtype == torch.float32
                    and triton_scan_available(gates_x.device) else "torch")
@@ -101,13 +108,16 @@ def rnn_scan(cell: str, gates_x: torch.Tensor, w_hh: torch.Tensor, b_hh: torch.T
         if gates_x.dtype != torch.float32:
             raise ValueError(f"the triton scan computes in float32, got {gates_x.dtype}; use backend='torch' (or "
                              "'reference' for float64)")
-        from rlseq.kernels.triton_rnn import scan_triton
-
-        return scan_triton(cell, gates_x, w_hh, b_hh, parts, resets)
     if backend == "reference":
         gates_x, w_hh = gates_x.double(), w_hh.double()
         b_hh = None if b_hh is None else b_hh.double()
         parts = tuple(p.double() for p in parts)
+    if T == 0:  # nothing to scan: the state passes through
+        return gates_x.new_zeros(B, 0, H), tuple(parts)
+    if backend == "triton":
+        from rlseq.kernels.triton_rnn import scan_triton
+
+        return scan_triton(cell, gates_x, w_hh, b_hh, parts, resets)
     return _scan_loop(_CELL_FUNCTIONS[cell], gates_x, w_hh, b_hh, parts, resets)
 
 

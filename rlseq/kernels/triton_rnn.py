@@ -1,5 +1,5 @@
-"""The GRU and LSTM scans in Triton: one launch per step forward and one per step backward, each doing a step's
-recurrent matmul and its cell together (the torch loop takes a matmul and 5-7 element-wise kernels per step
+"""The GRU and LSTM scans in Triton: one launch per step forward and one per step backward (and one more for the
+entering state's gradient), each doing a step's recurrent matmul and its cell together (the torch loop takes a matmul and 5-7 element-wise kernels per step
 forward, and autograd about twice that backward: in a replayed CUDA graph the launch count is what a scan costs).
 
 Every program owns ``BU`` hidden units of ``BB`` sequences, and reads whole rows of the other step's state, so the
@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 BB = 16  # sequences per program (tl.dot's smallest tile)
 BU = 16  # hidden units per program: at hidden 256, 16 programs per launch
@@ -118,7 +119,7 @@ def gru_fwd_kernel(gx, s_gx, w, s_w, bias, h_in, s_h, resets, s_r, y, s_y, saved
                    H: tl.constexpr, BB: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr,
                    HAS_RESETS: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     ru = tl.program_id(0) * BU + tl.arange(0, BU)
-    rb = tl.program_id(1) * BB + tl.arange(0, BB)
+    rb = (tl.program_id(1) * BB + tl.arange(0, BB)).to(tl.int64)  # row offsets of tensors past 2^31 elements
     mu, mb = ru < H, rb < B
     keep = _keep(resets, s_r, rb, mb, HAS_RESETS)
     a_r = _gate_preacts(h_in, s_h, keep, w, s_w, 0, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
@@ -149,7 +150,7 @@ def gru_bwd_kernel(dgh_next, s_dgn, saved_next, s_sn, resets_next, s_rn, dh_buf,
                    H: tl.constexpr, BB: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, HAS_NEXT: tl.constexpr,
                    HAS_STEP: tl.constexpr, HAS_RESETS: tl.constexpr, PREC: tl.constexpr):
     ru = tl.program_id(0) * BU + tl.arange(0, BU)
-    rb = tl.program_id(1) * BB + tl.arange(0, BB)
+    rb = (tl.program_id(1) * BB + tl.arange(0, BB)).to(tl.int64)  # row offsets of tensors past 2^31 elements
     mu, mb = ru < H, rb < B
     m = mb[:, None] & mu[None, :]
     # ∂L/∂h_t from step t+1 (dh_buf holds ∂L/∂h_{t+1} at these units), or the final state's gradient
@@ -189,7 +190,7 @@ def lstm_fwd_kernel(gx, s_gx, w, s_w, bias, h_in, s_h, c_in, s_cin, resets, s_r,
                     s_s, B, H: tl.constexpr, BB: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr,
                     HAS_RESETS: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr):
     ru = tl.program_id(0) * BU + tl.arange(0, BU)
-    rb = tl.program_id(1) * BB + tl.arange(0, BB)
+    rb = (tl.program_id(1) * BB + tl.arange(0, BB)).to(tl.int64)  # row offsets of tensors past 2^31 elements
     mu, mb = ru < H, rb < B
     keep = _keep(resets, s_r, rb, mb, HAS_RESETS)
     a_i = _gate_preacts(h_in, s_h, keep, w, s_w, 0, rb, mb, ru, mu, H, BB, BU, BK, HAS_RESETS, PREC)
@@ -225,7 +226,7 @@ def lstm_bwd_kernel(dpre_next, s_dpn, saved_next, s_sn, resets_next, s_rn, dh_bu
                     s_dco, B, H: tl.constexpr, BB: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr,
                     HAS_NEXT: tl.constexpr, HAS_STEP: tl.constexpr, HAS_RESETS: tl.constexpr, PREC: tl.constexpr):
     ru = tl.program_id(0) * BU + tl.arange(0, BU)
-    rb = tl.program_id(1) * BB + tl.arange(0, BB)
+    rb = (tl.program_id(1) * BB + tl.arange(0, BB)).to(tl.int64)  # row offsets of tensors past 2^31 elements
     mu, mb = ru < H, rb < B
     m = mb[:, None] & mu[None, :]
     # ∂L/∂h_t and ∂L/∂c_t from step t+1 (dh_buf, dc_buf hold ∂L/∂h_{t+1} and ∂L/∂c_{t+1} in total at these
@@ -264,7 +265,8 @@ def lstm_bwd_kernel(dpre_next, s_dpn, saved_next, s_sn, resets_next, s_rn, dh_bu
 
 
 class _Scan(torch.autograd.Function):
-    """``(y, h_T[, c_T]) = scan(gates_x, w_hh, b_hh, h_0[, c_0])``; see :func:`scan_triton`."""
+    """``(y, h_T[, c_T]) = scan(cell, gates_x, w_hh, b_hh, resets, h_0, c_0)`` (``c_0`` None for the GRU); see
+    :func:`scan_triton`. Once differentiable: its backward is made of kernels autograd cannot see."""
 
     @staticmethod
     def forward(ctx, cell, gates_x, w_hh, b_hh, resets, h0, c0):
@@ -298,6 +300,7 @@ class _Scan(torch.autograd.Function):
         return (y, h_T, cs[:, T - 1].clone()) if lstm else (y, h_T)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy, dh_T, dc_T=None):
         w_hh, r8, h0, c0, y, cs, saved = ctx.saved_tensors
         lstm = ctx.cell == "lstm"

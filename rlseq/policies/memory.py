@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlseq.kernels import chunk_rule, step_rule
-from rlseq.kernels.rnn import rnn_scan
+from rlseq.kernels.rnn import rnn_scan, triton_scan_available
 from rlseq.kernels.rules import unit_key_scales
 from rlseq.policies.short_conv import ShortConv
 
@@ -831,8 +831,8 @@ class _RNNMemory(Memory):
 
     ``hidden_size`` (default ``2·d_model``: 256 at the default width), ``num_layers``, ``recurrent_init`` (one of
     :data:`RECURRENT_INITS`: ``"uniform"``, PyTorch's default, or ``"orthogonal"``), ``join`` (the block's) and
-    ``backend`` (the scan's: ``"torch"``, ``"triton"``, or None for Triton on float32 CUDA tensors) are arguments;
-    the rest go to ``nn.GRU`` / ``nn.LSTM``.
+    ``backend`` (the scan's: ``"torch"``, ``"triton"``, or None for Triton on float32 CUDA tensors where triton is
+    installed) are arguments; the rest go to ``nn.GRU`` / ``nn.LSTM``.
     """
 
     # nn.GRU / nn.LSTM keywords set here, or that the block cannot carry (proj_size changes the shape of h, which
@@ -852,8 +852,9 @@ class _RNNMemory(Memory):
                              "triton on float32 CUDA tensors, torch otherwise)")
         self.backend = backend
         # auto captures them with the Triton scan (one launch per step; captured, faster than cuDNN's packed call
-        # run eagerly, docs/benchmarks.md) but not with the torch loop (about 20 launches per step: slower)
-        self.train_graph_auto = backend != "torch"
+        # run eagerly, docs/benchmarks.md) but not with the torch loop (about 20 launches per step: slower), which
+        # is also what backend None falls back to where triton is missing
+        self.train_graph_auto = backend == "triton" or (backend is None and triton_scan_available(torch.device("cuda")))
         if rnn_kwargs.pop("batch_first", True) is not True or rnn_kwargs.get("bidirectional"):
             raise ValueError(f"{type(self).__name__} is always batch_first and unidirectional")
         if recurrent_init not in RECURRENT_INITS:
