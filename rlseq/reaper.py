@@ -20,12 +20,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 PROC = Path("/proc")
 POLL_S = 0.5  # how often the list of descendants is refreshed: an agent started in the last POLL_S may be missed
 DONE = b"done\n"
 GRACE_S = 5.0
+WATCHING = "watching\n"  # the reaper's one line, once it has made its first list
+START_TIMEOUT_S = 30.0
 TRAINER = [b"-m", b"rlseq.train"]  # argv[1:3] of a training process
 
 
@@ -99,9 +102,10 @@ def _signal(pid: int, sig: int) -> None:
         pass
 
 
-def watch(pid: int, pipe: int, grace_s: float) -> int:
+def watch(pid: int, pipe: int, grace_s: float, on_first_list: Callable[[], None] | None = None) -> int:
     """Track ``pid``'s descendants until ``pipe`` gives ``done`` (exit 0, nothing done) or closes without it
-    (``pid`` died: reap what it left). Returns the number of processes reaped."""
+    (``pid`` died: reap what it left). ``on_first_list`` is called once the first list is made. Returns the number
+    of processes reaped."""
     me = os.getpid()
     known: dict[int, int] = {}
     said = b""
@@ -110,6 +114,9 @@ def watch(pid: int, pipe: int, grace_s: float) -> int:
         current.pop(me, None)
         known = {p: s for p, s in known.items() if _same(p, s)}  # ended ones go before their pids are reused
         known.update(current)
+        if on_first_list is not None:
+            on_first_list()
+            on_first_list = None
         ready, _, _ = select.select([pipe], [], [], POLL_S)
         if ready:
             chunk = os.read(pipe, 64)
@@ -120,16 +127,23 @@ def watch(pid: int, pipe: int, grace_s: float) -> int:
                 return len(reap(known, grace_s))
 
 
-def start(grace_s: float = GRACE_S) -> subprocess.Popen | None:
-    """Start a reaper for this process (Linux only; None elsewhere). Give it to :func:`stop` on a normal end."""
+def start(grace_s: float = GRACE_S, timeout_s: float = START_TIMEOUT_S) -> subprocess.Popen | None:
+    """Start a reaper for this process (Linux only; None elsewhere) and return once it has listed what this process
+    has started so far (or after ``timeout_s``, on a machine too busy to start a Python sooner). Give it to
+    :func:`stop` on a normal end."""
     if not PROC.joinpath(str(os.getpid()), "stat").exists():
         return None
     # run as a file (it needs only the standard library), so that it starts whatever the working directory and
     # path; in its own session, so that a Ctrl-C to the terminal's process group does not end it first
     # (-I: isolated, so that rlseq/, the script's folder, cannot shadow a standard module)
-    return subprocess.Popen([sys.executable, "-I", __file__, str(os.getpid()), "--grace", str(grace_s)],
-                            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, close_fds=True)
+    reaper = subprocess.Popen([sys.executable, "-I", __file__, str(os.getpid()), "--grace", str(grace_s)],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              start_new_session=True, close_fds=True)
+    # its first line says it is watching (EOF: it failed to start); the pipe is closed here after it
+    if select.select([reaper.stdout], [], [], timeout_s)[0]:
+        reaper.stdout.readline()
+    reaper.stdout.close()
+    return reaper
 
 
 def stop(reaper: subprocess.Popen | None, *, reap: bool = False) -> None:
@@ -158,7 +172,15 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"seconds between SIGTERM and SIGKILL (default {GRACE_S:g})")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    watch(args.pid, sys.stdin.fileno(), args.grace)
+
+    def watching() -> None:  # what start() waits for; the pipe may be closed after it
+        try:
+            sys.stdout.write(WATCHING)
+            sys.stdout.close()
+        except OSError:
+            pass
+
+    watch(args.pid, sys.stdin.fileno(), args.grace, watching)
     return 0
 
 

@@ -17,15 +17,15 @@ from rlseq import reaper
 pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="the reaper reads Linux /proc")
 REPO = Path(__file__).resolve().parents[1]
 
-# a driver: starts its reaper and a shell that starts a grandchild, prints the grandchild's pid, and ends its
-# reaper normally when told "stop"
+# a driver: starts a shell that starts a grandchild, then its reaper (start returns once the reaper has listed
+# both), prints the grandchild's pid, and ends its reaper normally when told "stop"
 DRIVER = """
 import subprocess, sys, time
 from rlseq import reaper
-r = reaper.start(grace_s=5.0)
 child = subprocess.Popen(["sh", "-c", "sleep 300 & echo $!; wait"], stdout=subprocess.PIPE, text=True)
-print(child.stdout.readline().strip(), flush=True)
-time.sleep(3.0)  # the reaper (a new Python) has started and its list has taken it in
+grandchild = child.stdout.readline().strip()  # it runs: the shell prints its pid after starting it
+r = reaper.start(grace_s=5.0, timeout_s=600)
+print(grandchild, flush=True)
 if sys.argv[1] == "stop":
     reaper.stop(r)
 print("ready", flush=True)
@@ -90,9 +90,11 @@ def test_trainers_and_what_they_started_are_left_to_their_own_stop(monkeypatch):
         monkeypatch.setattr(reaper, "_is_trainer", lambda pid: pid == kids[0] and exec_done.is_set())
         read, write = os.pipe()
         result: list[int] = []
-        watcher = threading.Thread(target=lambda: result.append(reaper.watch(parent.pid, read, grace_s=5.0)))
+        listed = threading.Event()
+        watcher = threading.Thread(target=lambda: result.append(reaper.watch(parent.pid, read, grace_s=5.0,
+                                                                             on_first_list=listed.set)))
         watcher.start()
-        time.sleep(4 * reaper.POLL_S)  # seen while still its parent's fork
+        assert listed.wait(60)  # seen while still its parent's fork
         exec_done.set()
         assert sorted(reaper.descendants(parent.pid)) == kids[1:]
         time.sleep(4 * reaper.POLL_S)
