@@ -378,7 +378,11 @@ def test_gpu_check_runs_its_checks():
     errs = check_chunk(2, 20, 1, 16, "efla", torch.float32, DEVICE, V=8)  # K ≠ V, as EFLA's default 64 × 32
     assert max(errs.values()) < 1e-4, errs
     assert check_step("deltanet", 16, 16, DEVICE, B=3, H=1, T=4) < 1e-4
-    from rlseq.bench.gpu_check import head_sizes
+    from rlseq.bench.gpu_check import check_scan, head_sizes
+
+    errs = check_scan("lstm", 3, 6, 20, DEVICE)
+    assert set(errs) == {"y", "final0", "final1", "dgates_x", "dw_hh", "db_hh", "dpart0", "dpart1"}, errs
+    assert max(errs.values()) < 1e-4, errs
 
     assert head_sizes("64") == (64, 64) and head_sizes("64x32") == (64, 32)
     with pytest.raises(argparse.ArgumentTypeError, match="a head size is K or KxV"):

@@ -12,8 +12,9 @@
 
 The GRU and LSTM scans (:func:`rlseq.kernels.rnn.rnn_scan`, what the training graph replays for those memories)
 get the same: forward and backward of the Triton backend against the float64 loop at the training shape
-(minibatches of 8 and 2 sequences of 256 steps, hidden 256) and at a ragged one, with resets; ``--time`` adds their
-fwd+bwd time replayed from a CUDA graph (Triton, the torch loop) beside cuDNN's packed eager call.
+(minibatches of 8 and 2 sequences of 256 steps, hidden 256) and at a ragged one, with resets, in float32 and (at
+the first shape) with TF32 matmuls; ``--time`` adds their fwd+bwd time replayed from a CUDA graph (Triton, the
+torch loop) beside cuDNN's packed eager call.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ from rlseq.kernels.rnn import CELLS, rnn_scan
 TIME_SHAPES = ["8,256,4,64", "64,256,4,64", "8,256,4,32", "64,256,4,16", "16,1024,4,64"]
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
 SCAN_SHAPES = ((8, 256, 256), (2, 256, 256), (33, 50, 40))  # (B, T, H): the training minibatches, a ragged one
+# the scans with TF32 matmuls (what --fast trains with): the torch loop with its matmul inputs rounded to TF32 on
+# the CPU is 4e-5-5e-5 from the float64 loop at the first shape (outputs and final state), so 20x that
+SCAN_TF32_TOL = 1e-3
 
 
 def _grads(inp, rule, dtype, backend, do, ds):
@@ -164,14 +168,20 @@ def correctness(device, dims) -> int:
             failures += worst > 1e-4
             print(f"[{time.time() - t0:4.0f}s] step  {rule:8s} K{K} V{V} max {worst:.1e} "
                   f"{'OK' if worst <= 1e-4 else 'FAIL'}", flush=True)
-    for cell in CELLS:
-        for B, T, H in SCAN_SHAPES:
+    scans = [(cell, shape, False) for cell in CELLS for shape in SCAN_SHAPES]
+    scans += [(cell, SCAN_SHAPES[0], True) for cell in CELLS]
+    for cell, (B, T, H), tf32 in scans:
+        before = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        try:
             errs = check_scan(cell, B, T, H, device)
-            worst = max(errs.values())
-            failures += not worst <= TOL[torch.float32]
-            print(f"[{time.time() - t0:4.0f}s] scan  {cell:8s} B{B} T{T} hidden {H} max {worst:.1e} "
-                  f"{'OK' if worst <= TOL[torch.float32] else 'FAIL'}  " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()),
-                  flush=True)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = before
+        worst, tol = max(errs.values()), SCAN_TF32_TOL if tf32 else TOL[torch.float32]
+        failures += not worst <= tol
+        print(f"[{time.time() - t0:4.0f}s] scan  {cell:8s} {'tf32' if tf32 else 'fp32'} B{B} T{T} hidden {H} max "
+              f"{worst:.1e} {'OK' if worst <= tol else 'FAIL'}  " + " ".join(f"{n}={e:.1e}" for n, e in errs.items()),
+              flush=True)
     return failures
 
 
