@@ -100,6 +100,25 @@ def test_a_reset_cuts_the_gradient_exactly(cell, backend):
         assert torch.equal(g[0], torch.zeros_like(g[0])) and g[1:].abs().sum() > 0
 
 
+@needs_triton
+@pytest.mark.parametrize("cell", list(CELLS))
+@pytest.mark.parametrize("loss_on", ["outputs", "final state"])
+def test_triton_scan_gradients_of_one_output_and_resets_at_every_step(cell, loss_on):
+    """A loss on the outputs alone or the final state alone (autograd passes zeros for the other), with the state
+    reset at every step of one sequence (its entering state gets no gradient at all)."""
+    gates_x, w, b, parts, resets = _inputs(cell, 3, 6, 24, seed=13)
+    resets[1] = True
+    grads = {}
+    for backend, dtype, device in (("reference", torch.float64, "cpu"), ("triton", torch.float32, DEVICE)):
+        leaves = [x.to(device, dtype).requires_grad_() for x in (gates_x, w, b, *parts)]
+        y, final = rnn_scan(cell, *leaves[:3], tuple(leaves[3:]), resets.to(device), backend=backend)
+        loss = (y * y).sum() if loss_on == "outputs" else sum((f * f).sum() for f in final)
+        grads[backend] = [g.double().cpu() for g in torch.autograd.grad(loss, leaves)]
+    _assert_matches(grads["triton"], grads["reference"], 1e-5)
+    for g in grads["triton"][3:]:
+        assert torch.equal(g[1], torch.zeros_like(g[1]))
+
+
 @pytest.mark.parametrize("cell", list(CELLS))
 def test_torch_scan_matches_float64_loop(cell):
     inputs = _inputs(cell, 3, 29, 11, seed=3)
