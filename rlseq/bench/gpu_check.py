@@ -94,7 +94,7 @@ def scan_inputs(cell: str, B: int, T: int, H: int, device, *, reset_prob: float 
 def check_scan(cell: str, B: int, T: int, H: int, device) -> dict[str, float]:
     """Relative error of the Triton scan's outputs and gradients (float32) against the float64 loop."""
     inputs = scan_inputs(cell, B, T, H, device)
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator()
     out = {}
     for backend in ("reference", "triton"):
         gates_x, w, b, parts, resets = inputs
@@ -116,7 +116,6 @@ def scan_timing(device, shapes=((8, 256, 256), (2, 256, 256))) -> None:
     replayed from a CUDA graph, cuDNN's packed call (the eager training path: ``nn.GRU`` / ``nn.LSTM`` over the
     episode segments, with the memory's output projection) run eagerly."""
     import triton.testing
-    from torch import nn
 
     from rlseq.bench.timing import graph_ms
     from rlseq.policies.memory import make_memory

@@ -851,10 +851,6 @@ class _RNNMemory(Memory):
             raise ValueError(f"unknown backend {backend!r} for the {self.name} scan; valid: torch, triton (or None: "
                              "triton on float32 CUDA tensors, torch otherwise)")
         self.backend = backend
-        # auto captures them with the Triton scan (one launch per step; captured, faster than cuDNN's packed call
-        # run eagerly, docs/benchmarks.md) but not with the torch loop (about 20 launches per step: slower), which
-        # is also what backend None falls back to where triton is missing
-        self.train_graph_auto = backend == "triton" or (backend is None and triton_scan_available(torch.device("cuda")))
         if rnn_kwargs.pop("batch_first", True) is not True or rnn_kwargs.get("bidirectional"):
             raise ValueError(f"{type(self).__name__} is always batch_first and unidirectional")
         if recurrent_init not in RECURRENT_INITS:
@@ -871,6 +867,14 @@ class _RNNMemory(Memory):
 
     def capturable_training(self, on: bool = True) -> None:
         self._scan_resets = bool(on)
+
+    @property
+    def train_graph_auto(self) -> bool:
+        """Auto captures the Triton scan (one launch per step; captured, faster than cuDNN's packed call run eagerly,
+        docs/benchmarks.md), not the torch loop (about 20 launches per step: slower), which is also what backend
+        None falls back to where triton is missing. Asked when training starts, not at construction: it imports
+        triton."""
+        return self.backend == "triton" or (self.backend is None and triton_scan_available(torch.device("cuda")))
 
     @torch.no_grad()
     def _orthogonal_init(self) -> None:
@@ -1038,10 +1042,13 @@ class ActorCriticMemory(nn.Module):
         self.actor = make_memory(name, in_features, **memory_kwargs)
         self.critic = make_memory(name, in_features, **memory_kwargs)
         self.name = self.actor.name
-        self.train_graph_auto = self.actor.train_graph_auto
         self.in_features = self.actor.in_features
         self.d_model = self.actor.d_model
         self.out_features = 2 * self.actor.out_features
+
+    @property
+    def train_graph_auto(self) -> bool:
+        return self.actor.train_graph_auto
 
     @property
     def state_shape(self) -> tuple[int, ...]:
