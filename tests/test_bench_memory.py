@@ -295,6 +295,74 @@ def test_results_of_another_commit_are_refused(tmp_path, monkeypatch):
                     str(out), "--logdir", str(tmp_path / "runs")])
 
 
+def _invocation(out: Path, started: str, cpu: str, wall_s: float | None = 60.0) -> None:
+    manifest = R.read_manifest(out)
+    manifest["invocations"].append({"command": "python -m rlseq.bench memory --tasks T", "started": started,
+                                    "jobs": 2, "cpu": cpu, "cores": 2, "wall_s": wall_s, "runs": 4,
+                                    "grid": {"tasks": [T1, T2], "variants": ["efla", "none"], "seeds": [0, 1],
+                                             "steps": {T1: 1000, T2: 1000}, "episodes": 8}})
+    out.mkdir(parents=True, exist_ok=True)
+    (out / R.MANIFEST).write_text(json.dumps(manifest))
+
+
+def _failure(out: Path, task: str, variant: str, seed: int) -> Path:
+    path = R.run_paths(out, task, variant, seed)["failed"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"name": f"{task}/{variant}/seed{seed}", "task": task, "variant": variant,
+                                "seed": seed, "reason": "training exited with code 2", "log_tail": []}))
+    return path
+
+
+def test_another_machines_runs_merge_in_and_runs_already_there_keep_their_result(tmp_path, monkeypatch, capsys):
+    _few_resamples(monkeypatch)
+    out, other = tmp_path / "memory_benchmark", tmp_path / "other"
+    _invocation(out, "2030-01-01 00:00", "CPU A")
+    _result(out, T1, "efla", 0, 0.9)
+    failed_here = _failure(out, T1, "none", 0)
+    _invocation(other, "2030-01-01 00:00", "CPU A", wall_s=None)  # the same start, copied before it ended
+    _invocation(other, "2030-01-01 00:05", "CPU B")
+    _result(other, T1, "efla", 0, -0.3)  # made twice: out's stays
+    _result(other, T1, "none", 0, -0.5)  # failed in out, finished there
+    _result(other, T2, "efla", 1, 0.7)
+    _failure(other, T2, "none", 1)  # a failure elsewhere is not merged
+    R.random_path(other, T2).write_text(json.dumps({"task": T2, "mean": -0.49, "episodes": 8}))
+    bench_main(["memory", "--merge", str(other), "--out", str(out)])
+    said = capsys.readouterr().out
+    assert "merged 2 run(s) and 1 invocation(s)" in said and "1 run(s) already there kept their result" in said
+    assert json.loads(R.run_paths(out, T1, "efla", 0)["result"].read_text())["eval_mean"] == 0.9
+    assert json.loads(R.run_paths(out, T1, "none", 0)["result"].read_text())["eval_mean"] == -0.5
+    assert not failed_here.exists()
+    assert R.run_paths(out, T2, "efla", 1)["curve"].read_text() == R.run_paths(other, T2, "efla", 1)["curve"].read_text()
+    assert not R.run_paths(out, T2, "none", 1)["failed"].exists()
+    assert json.loads(R.random_path(out, T2).read_text())["mean"] == -0.49
+    assert [inv["cpu"] for inv in R.read_manifest(out)["invocations"]] == ["CPU A", "CPU B"]
+    assert "| RepeatFirstEasy |" in R.report_path(out).read_text()  # the report is rewritten with them
+    before = (out / R.MANIFEST).read_text()
+    bench_main(["memory", "--merge", str(other), "--out", str(out)])  # again: nothing new
+    assert "merged 0 run(s) and 0 invocation(s)" in capsys.readouterr().out
+    assert (out / R.MANIFEST).read_text() == before
+
+
+@pytest.mark.parametrize("what", ["commit", "steps"])
+def test_a_merge_that_would_mix_commits_or_budgets_in_a_task_writes_nothing(tmp_path, what):
+    out, other = tmp_path / "out", tmp_path / "other"
+    _result(out, T1, "efla", 0, 0.9)
+    _result(other, T2, "efla", 0, 0.5)  # another task: no conflict of its own
+    _result(other, T1, "none", 0, -0.5, steps=2000 if what == "steps" else 1000)
+    if what == "commit":
+        path = R.run_paths(other, T1, "none", 0)["result"]
+        doc = json.loads(path.read_text())
+        doc["versions"]["rlseq"] = "def"
+        path.write_text(json.dumps(doc))
+    expected = "commits" if what == "commit" else "budgets"
+    with pytest.raises(SystemExit, match=f"would mix rlseq commits or env-step budgets in 1 task.*\\n  {T1}: "
+                                         f"{expected} (abc|1000)"):
+        bench_main(["memory", "--merge", str(other), "--out", str(out)])
+    assert sorted(p.name for p in (out / "results").rglob("*.json")) == ["seed0.json"]
+    with pytest.raises(SystemExit, match="no results folder there"):
+        bench_main(["memory", "--merge", str(tmp_path / "nowhere"), "--out", str(out)])
+
+
 def test_run_folders_begun_at_another_commit_are_refused(tmp_path, monkeypatch):
     """An interrupted or not yet evaluated run folder trained by other code is not resumed under this commit."""
     out, logdir = tmp_path / "out", tmp_path / "runs"

@@ -23,6 +23,11 @@ end of its log while the others go on; it is tried again by the next invocation.
 trainers at once (they keep their last checkpoint). Results made with another budget, or at another rlseq
 commit, are refused, so that no task mixes budgets or commits: choose another ``--out`` (and ``--logdir``).
 
+Several machines: each runs its share of the grid into an ``--out`` of its own, at the same commit; ``--merge DIR
+...`` then adds their finished runs (and the invocations that made them) to one ``--out``. An unfinished run moves
+with its run folder: copied under another machine's ``--logdir`` (with its ``.rlseq-commit`` marker), it resumes
+there from its last checkpoint.
+
 The report ``<out>.md`` (with ``<out>/curves.png`` and ``<out>/horizon.png``) is rewritten at the end of every
 invocation, and by ``--report-only`` from the result files alone.
 """
@@ -162,6 +167,70 @@ def commit_conflicts(runs: list[BenchRun], out: Path, commit: str) -> list[str]:
             if had != commit:
                 bad.append(f"{path}: made at {had}")
     return bad
+
+
+def _finished_results(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Every finished run's result file under ``root/results`` with its contents (failure records left out)."""
+    found = []
+    for path in sorted((root / "results").rglob("seed*.json")):
+        if not path.name.endswith(".failed.json"):
+            found.append((path, json.loads(path.read_text())))
+    return found
+
+
+def merge(out: Path, sources: list[Path]) -> dict[str, Any]:
+    """Add the finished runs of other results folders of the same grid (another machine's ``--out``) to ``out``:
+    each run's result and curve, each task's chance level where ``out`` has none, and the invocations that made
+    them (appended to ``out``'s manifest unless already there). A run ``out`` has already keeps its result; a
+    failure record in ``out`` of a run merged in is removed, as a finished run removes its own. Refused, with
+    nothing written, when a task would then hold results of more than one rlseq commit or env-step budget, or a
+    source has no results. Returns ``{"merged": [names], "kept": [names], "invocations": n}``."""
+    from rlseq.checkpoint import write_text_atomic
+
+    incoming: dict[str, tuple[Path, dict[str, Any]]] = {}
+    kept: list[str] = []
+    for src in sources:
+        if not (src / "results").is_dir():
+            raise SystemExit(f"error: --merge {src}: no results folder there ({src / 'results'})")
+        for path, doc in _finished_results(src):
+            name = f"{doc['task']}/{doc['variant']}/seed{doc['seed']}"
+            if run_paths(out, doc["task"], doc["variant"], doc["seed"])["result"].exists() or name in incoming:
+                kept.append(name)
+            else:
+                incoming[name] = (path, doc)
+    seen: dict[str, dict[str, dict[Any, str]]] = {}  # task -> "commit" or "steps" -> value -> a file that has it
+    for path, doc in [*_finished_results(out), *incoming.values()]:
+        by = seen.setdefault(doc["task"], {"commit": {}, "steps": {}})
+        by["commit"].setdefault((doc.get("versions") or {}).get("rlseq", "unknown"), str(path))
+        by["steps"].setdefault(int(doc["steps"]), str(path))
+    label = {"commit": "commits", "steps": "budgets"}
+    mixed = [f"{task}: {label[what]} {', '.join(f'{v} ({ex})' for v, ex in values.items())}"
+             for task, by in seen.items() for what, values in by.items() if len(values) > 1]
+    if mixed:
+        raise SystemExit(f"error: merging would mix rlseq commits or env-step budgets in {len(mixed)} task(s), and "
+                         f"a table's rows come from one commit and one budget; nothing was merged:\n  {listed(mixed)}")
+    for path, doc in incoming.values():
+        paths = run_paths(out, doc["task"], doc["variant"], doc["seed"])
+        curve = path.with_suffix(".csv")
+        if curve.exists():
+            paths["curve"].parent.mkdir(parents=True, exist_ok=True)
+            write_text_atomic(paths["curve"], curve.read_text())
+        _write_json(paths["result"], doc)
+        paths["failed"].unlink(missing_ok=True)
+    added = 0
+    for src in sources:
+        for task in {doc["task"] for _, doc in _finished_results(src)}:
+            if random_path(src, task).exists() and not random_path(out, task).exists():
+                _write_json(random_path(out, task), json.loads(random_path(src, task).read_text()))
+        manifest = read_manifest(out)
+        # one invocation is one start on one machine; its wall time may have been filled in on one side only
+        had = {(inv["command"], inv["started"], inv.get("cpu")) for inv in manifest["invocations"]}
+        for inv in read_manifest(src)["invocations"]:
+            if (inv["command"], inv["started"], inv.get("cpu")) not in had:
+                manifest["invocations"].append(inv)
+                added += 1
+        _write_json(out / MANIFEST, manifest)
+    return {"merged": sorted(incoming), "kept": sorted(kept), "invocations": added}
 
 
 def listed(lines: list[str], most: int = 8) -> str:
@@ -583,6 +652,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--report-only", action="store_true", help="rewrite <out>.md and <out>/curves.png from "
                                                                    "<out>/results and exit")
     parser.add_argument("--dry-run", action="store_true", help="print each run's state and training command, and exit")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="DIR",
+                        help="add the finished runs of other results folders of this grid (another machine's "
+                             "--out) to --out, with the invocations that made them, rewrite the report and exit; a "
+                             "run --out has already keeps its result; refused when a task would mix commits or "
+                             "budgets")
     parser.add_argument("--device", default="cpu", help="device of training and evaluation (default cpu)")
     for flag in ("n-envs", "n-steps", "n-minibatches"):
         parser.add_argument(f"--{flag}", type=int, default=None,
@@ -653,7 +727,17 @@ def _record_invocation(out: Path, entry: dict[str, Any], index: int | None = Non
 def main(args: argparse.Namespace) -> None:
     g = resolve_grid(args)
     out, logdir = g["out"], g["logdir"]
-    if args.report_only:
+    if args.merge:
+        done = merge(out, [Path(d) for d in args.merge])
+        print(f"merged {len(done['merged'])} run(s) and {done['invocations']} invocation(s) into {out}"
+              + (f"; {len(done['kept'])} run(s) already there kept their result" if done["kept"] else ""))
+        if not done["merged"]:
+            return
+    if args.report_only or args.merge:
+        if args.merge and missing_modules(REPORT_MODULES):
+            print(f"the report needs {', '.join(missing_modules(REPORT_MODULES))}: write it with --report-only "
+                  f"--out {out} where they are installed")
+            return
         try:
             print(f"wrote {write_report(out)}")
         except FileNotFoundError as e:
