@@ -315,35 +315,44 @@ def _failure(out: Path, task: str, variant: str, seed: int) -> Path:
 
 def test_another_machines_runs_merge_in_and_runs_already_there_keep_their_result(tmp_path, monkeypatch, capsys):
     _few_resamples(monkeypatch)
-    out, other = tmp_path / "memory_benchmark", tmp_path / "other"
-    _invocation(out, "2030-01-01 00:00", "CPU A")
+    out, other, third = tmp_path / "memory_benchmark", tmp_path / "other", tmp_path / "third"
+    _invocation(out, "2030-01-01 00:00", "CPU A", wall_s=None)  # still running when other copied it
     _result(out, T1, "efla", 0, 0.9)
     failed_here = _failure(out, T1, "none", 0)
-    _invocation(other, "2030-01-01 00:00", "CPU A", wall_s=None)  # the same start, copied before it ended
+    R.random_path(out, T1).write_text(json.dumps({"task": T1, "mean": -0.51, "episodes": 8}))
+    _invocation(other, "2030-01-01 00:00", "CPU A", wall_s=3600.0)
     _invocation(other, "2030-01-01 00:05", "CPU B")
     _result(other, T1, "efla", 0, -0.3)  # made twice: out's stays
     _result(other, T1, "none", 0, -0.5)  # failed in out, finished there
     _result(other, T2, "efla", 1, 0.7)
     _failure(other, T2, "none", 1)  # a failure elsewhere is not merged
+    R.random_path(other, T1).write_text(json.dumps({"task": T1, "mean": -0.4, "episodes": 8}))
     R.random_path(other, T2).write_text(json.dumps({"task": T2, "mean": -0.49, "episodes": 8}))
-    bench_main(["memory", "--merge", str(other), "--out", str(out)])
+    _result(third, T2, "efla", 1, 0.7)  # the same run with the same result in a second source: one run
+    bench_main(["memory", "--merge", str(other), str(third), "--out", str(out)])
     said = capsys.readouterr().out
-    assert "merged 2 run(s) and 1 invocation(s)" in said and "1 run(s) already there kept their result" in said
+    assert "merged 2 run(s) into" in said and ", and 1 invocation(s) (1 more completed)" in said
+    assert "1 run(s) already there kept their result" in said
+    assert f"note: {third} has no benchmark.json" in said
     assert json.loads(R.run_paths(out, T1, "efla", 0)["result"].read_text())["eval_mean"] == 0.9
     assert json.loads(R.run_paths(out, T1, "none", 0)["result"].read_text())["eval_mean"] == -0.5
     assert not failed_here.exists()
     assert R.run_paths(out, T2, "efla", 1)["curve"].read_text() == R.run_paths(other, T2, "efla", 1)["curve"].read_text()
     assert not R.run_paths(out, T2, "none", 1)["failed"].exists()
+    assert json.loads(R.random_path(out, T1).read_text())["mean"] == -0.51  # out's own stays
     assert json.loads(R.random_path(out, T2).read_text())["mean"] == -0.49
-    assert [inv["cpu"] for inv in R.read_manifest(out)["invocations"]] == ["CPU A", "CPU B"]
-    assert "| RepeatFirstEasy |" in R.report_path(out).read_text()  # the report is rewritten with them
+    invocations = R.read_manifest(out)["invocations"]
+    assert [(inv["cpu"], inv["wall_s"]) for inv in invocations] == [("CPU A", 3600.0), ("CPU B", 60.0)]
+    report = R.report_path(out).read_text()
+    assert "| RepeatFirstEasy |" in report and "Total wall time: 61.0 min" in report
     before = (out / R.MANIFEST).read_text()
-    bench_main(["memory", "--merge", str(other), "--out", str(out)])  # again: nothing new
-    assert "merged 0 run(s) and 0 invocation(s)" in capsys.readouterr().out
-    assert (out / R.MANIFEST).read_text() == before
+    R.report_path(out).unlink()
+    bench_main(["memory", "--merge", str(other), "--out", str(out)])  # again: nothing new, nothing rewritten
+    assert "merged 0 run(s) into" in capsys.readouterr().out
+    assert (out / R.MANIFEST).read_text() == before and not R.report_path(out).exists()
 
 
-@pytest.mark.parametrize("what", ["commit", "steps"])
+@pytest.mark.parametrize("what", ["commit", "steps", "invocation"])
 def test_a_merge_that_would_mix_commits_or_budgets_in_a_task_writes_nothing(tmp_path, what):
     out, other = tmp_path / "out", tmp_path / "other"
     _result(out, T1, "efla", 0, 0.9)
@@ -354,13 +363,38 @@ def test_a_merge_that_would_mix_commits_or_budgets_in_a_task_writes_nothing(tmp_
         doc = json.loads(path.read_text())
         doc["versions"]["rlseq"] = "def"
         path.write_text(json.dumps(doc))
-    expected = "commits" if what == "commit" else "budgets"
+    if what == "invocation":  # a smoke run at another budget that finished nothing
+        _invocation(other, "2030-01-01 00:05", "CPU B")
+        manifest = R.read_manifest(other)
+        manifest["invocations"][0]["grid"]["steps"][T1] = 5000
+        (other / R.MANIFEST).write_text(json.dumps(manifest))
+    expected = {"commit": "commits abc .*, def", "steps": "budgets 1000 .*, 2000",
+                "invocation": "budgets 1000 .*, 5000 .*started 2030-01-01 00:05"}[what]
     with pytest.raises(SystemExit, match=f"would mix rlseq commits or env-step budgets in 1 task.*\\n  {T1}: "
-                                         f"{expected} (abc|1000)"):
+                                         f"{expected}"):
         bench_main(["memory", "--merge", str(other), "--out", str(out)])
     assert sorted(p.name for p in (out / "results").rglob("*.json")) == ["seed0.json"]
+    assert not (out / R.MANIFEST).exists()
+
+
+def test_a_merge_refuses_what_it_cannot_merge_and_writes_nothing(tmp_path):
+    out, other, third = tmp_path / "out", tmp_path / "other", tmp_path / "third"
+    _result(out, T1, "efla", 0, 0.9)
+    _result(other, T2, "efla", 0, 0.5)
+    _result(third, T2, "efla", 0, 0.4)
     with pytest.raises(SystemExit, match="no results folder there"):
-        bench_main(["memory", "--merge", str(tmp_path / "nowhere"), "--out", str(out)])
+        bench_main(["memory", "--merge", str(other), str(tmp_path / "nowhere"), "--out", str(out)])
+    with pytest.raises(SystemExit, match="is --out itself"):
+        bench_main(["memory", "--merge", str(tmp_path / "." / "out"), "--out", str(out)])
+    with pytest.raises(SystemExit, match=f"1 run\\(s\\) have different results in two of the folders.*\\n  "
+                                         f"{T2}/efla/seed0: "):
+        bench_main(["memory", "--merge", str(other), str(third), "--out", str(out)])
+    with pytest.raises(SystemExit, match="--merge takes the folders to merge and --out alone, not --seeds, --dry-run"):
+        bench_main(["memory", "--merge", str(other), "--out", str(out), "--seeds", "0", "--dry-run"])
+    R.run_paths(third, T2, "efla", 0)["result"].write_text("{\"task\": ")  # cut short
+    with pytest.raises(SystemExit, match=f"{R.run_paths(third, T2, 'efla', 0)['result']} is not a readable result"):
+        bench_main(["memory", "--merge", str(third), "--out", str(out)])
+    assert [p.name for p in (out / "results").rglob("*.json")] == ["seed0.json"]
 
 
 def test_run_folders_begun_at_another_commit_are_refused(tmp_path, monkeypatch):

@@ -24,9 +24,9 @@ trainers at once (they keep their last checkpoint). Results made with another bu
 commit, are refused, so that no task mixes budgets or commits: choose another ``--out`` (and ``--logdir``).
 
 Several machines: each runs its share of the grid into an ``--out`` of its own, at the same commit; ``--merge DIR
-...`` then adds their finished runs (and the invocations that made them) to one ``--out``. An unfinished run moves
-with its run folder: copied under another machine's ``--logdir`` (with its ``.rlseq-commit`` marker), it resumes
-there from its last checkpoint.
+...`` then adds their finished runs (and the invocations that made them) to one ``--out`` (not while a benchmark
+writes to it). An unfinished run moves with its run folder: copied under another machine's ``--logdir`` (with its
+``.rlseq-commit`` marker), it resumes there from its last checkpoint.
 
 The report ``<out>.md`` (with ``<out>/curves.png`` and ``<out>/horizon.png``) is rewritten at the end of every
 invocation, and by ``--report-only`` from the result files alone.
@@ -169,43 +169,84 @@ def commit_conflicts(runs: list[BenchRun], out: Path, commit: str) -> list[str]:
     return bad
 
 
+RESULT_FIELDS = ("task", "variant", "seed", "steps")  # what a result file must hold to be merged
+
+
 def _finished_results(root: Path) -> list[tuple[Path, dict[str, Any]]]:
     """Every finished run's result file under ``root/results`` with its contents (failure records left out)."""
     found = []
     for path in sorted((root / "results").rglob("seed*.json")):
-        if not path.name.endswith(".failed.json"):
-            found.append((path, json.loads(path.read_text())))
+        if path.name.endswith(".failed.json"):
+            continue
+        try:
+            doc = json.loads(path.read_text())
+            missing = [k for k in RESULT_FIELDS if k not in doc]
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: {path} is not a readable result file ({e}); nothing was merged") from None
+        if missing:
+            raise SystemExit(f"error: {path} lacks {', '.join(missing)}: not a result file of this benchmark; "
+                             "nothing was merged")
+        found.append((path, doc))
     return found
+
+
+def _invocation_key(inv: dict[str, Any]) -> tuple[Any, ...]:
+    """One invocation is one start on one machine."""
+    return inv.get("command"), inv.get("started"), inv.get("cpu")
 
 
 def merge(out: Path, sources: list[Path]) -> dict[str, Any]:
     """Add the finished runs of other results folders of the same grid (another machine's ``--out``) to ``out``:
     each run's result and curve, each task's chance level where ``out`` has none, and the invocations that made
-    them (appended to ``out``'s manifest unless already there). A run ``out`` has already keeps its result; a
-    failure record in ``out`` of a run merged in is removed, as a finished run removes its own. Refused, with
-    nothing written, when a task would then hold results of more than one rlseq commit or env-step budget, or a
-    source has no results. Returns ``{"merged": [names], "kept": [names], "invocations": n}``."""
+    them (appended to ``out``'s manifest; one already there gets the fields it lacks, such as the wall time of a
+    start that ended elsewhere). A run ``out`` has already keeps its result; a run in two sources must have the same
+    result in both; a failure record in ``out`` of a run merged in is removed, as a finished run removes its own.
+
+    Refused, with nothing written, when a task of the merged runs would then hold results or invocations of more
+    than one env-step budget, or results of more than one rlseq commit; when a source is ``out`` itself or has no
+    results folder; or when a result file is unreadable. Not while a benchmark writes to ``out``: both rewrite its
+    manifest. Returns ``{"merged": [names], "kept": [names], "invocations": n, "updated": n, "no_manifest":
+    [sources]}``."""
     from rlseq.checkpoint import write_text_atomic
 
     incoming: dict[str, tuple[Path, dict[str, Any]]] = {}
     kept: list[str] = []
+    differ: list[str] = []
     for src in sources:
+        if src.resolve() == out.resolve():
+            raise SystemExit(f"error: --merge {src} is --out itself")
         if not (src / "results").is_dir():
-            raise SystemExit(f"error: --merge {src}: no results folder there ({src / 'results'})")
+            raise SystemExit(f"error: --merge {src}: no results folder there ({src / 'results'}); nothing was merged")
+    for src in sources:
         for path, doc in _finished_results(src):
             name = f"{doc['task']}/{doc['variant']}/seed{doc['seed']}"
-            if run_paths(out, doc["task"], doc["variant"], doc["seed"])["result"].exists() or name in incoming:
+            if run_paths(out, doc["task"], doc["variant"], doc["seed"])["result"].exists():
                 kept.append(name)
+            elif name in incoming:
+                if incoming[name][1] != doc:
+                    differ.append(f"{name}: {incoming[name][0]} and {path}")
             else:
                 incoming[name] = (path, doc)
-    seen: dict[str, dict[str, dict[Any, str]]] = {}  # task -> "commit" or "steps" -> value -> a file that has it
+    if differ:
+        raise SystemExit(f"error: {len(differ)} run(s) have different results in two of the folders to merge; keep "
+                         f"one of each (remove the other) and merge again; nothing was merged:\n  {listed(differ)}")
+    tasks = {doc["task"] for _, doc in incoming.values()}
+    manifests = {src: read_manifest(src) for src in sources}
+    # task -> "commit" or "steps" -> value -> where it was seen
+    seen: dict[str, dict[str, dict[Any, str]]] = {t: {"commit": {}, "steps": {}} for t in tasks}
     for path, doc in [*_finished_results(out), *incoming.values()]:
-        by = seen.setdefault(doc["task"], {"commit": {}, "steps": {}})
-        by["commit"].setdefault((doc.get("versions") or {}).get("rlseq", "unknown"), str(path))
-        by["steps"].setdefault(int(doc["steps"]), str(path))
+        if doc["task"] in tasks:
+            by = seen[doc["task"]]
+            by["commit"].setdefault((doc.get("versions") or {}).get("rlseq", "unknown"), str(path))
+            by["steps"].setdefault(int(doc["steps"]), str(path))
+    for folder, manifest in [(out, read_manifest(out)), *manifests.items()]:
+        for inv in manifest["invocations"]:
+            for task, steps in (inv.get("grid") or {}).get("steps", {}).items():
+                if task in tasks:
+                    seen[task]["steps"].setdefault(int(steps), f"{folder / MANIFEST}, started {inv.get('started')}")
     label = {"commit": "commits", "steps": "budgets"}
-    mixed = [f"{task}: {label[what]} {', '.join(f'{v} ({ex})' for v, ex in values.items())}"
-             for task, by in seen.items() for what, values in by.items() if len(values) > 1]
+    mixed = [f"{task}: {label[what]} {', '.join(f'{v} ({where})' for v, where in values.items())}"
+             for task, by in sorted(seen.items()) for what, values in by.items() if len(values) > 1]
     if mixed:
         raise SystemExit(f"error: merging would mix rlseq commits or env-step budgets in {len(mixed)} task(s), and "
                          f"a table's rows come from one commit and one budget; nothing was merged:\n  {listed(mixed)}")
@@ -215,22 +256,29 @@ def merge(out: Path, sources: list[Path]) -> dict[str, Any]:
         if curve.exists():
             paths["curve"].parent.mkdir(parents=True, exist_ok=True)
             write_text_atomic(paths["curve"], curve.read_text())
-        _write_json(paths["result"], doc)
+        _write_json(paths["result"], doc)  # last: its presence marks the run finished
         paths["failed"].unlink(missing_ok=True)
-    added = 0
     for src in sources:
         for task in {doc["task"] for _, doc in _finished_results(src)}:
             if random_path(src, task).exists() and not random_path(out, task).exists():
                 _write_json(random_path(out, task), json.loads(random_path(src, task).read_text()))
-        manifest = read_manifest(out)
-        # one invocation is one start on one machine; its wall time may have been filled in on one side only
-        had = {(inv["command"], inv["started"], inv.get("cpu")) for inv in manifest["invocations"]}
-        for inv in read_manifest(src)["invocations"]:
-            if (inv["command"], inv["started"], inv.get("cpu")) not in had:
+    manifest = read_manifest(out)
+    ours = {_invocation_key(inv): inv for inv in manifest["invocations"]}
+    added = updated = 0
+    for src in sources:
+        for inv in manifests[src]["invocations"]:
+            had = ours.get(_invocation_key(inv))
+            if had is None:
                 manifest["invocations"].append(inv)
+                ours[_invocation_key(inv)] = inv
                 added += 1
+            elif any(had.get(k) is None and v is not None for k, v in inv.items()):
+                had.update({k: v for k, v in inv.items() if had.get(k) is None and v is not None})
+                updated += 1
+    if added or updated:
         _write_json(out / MANIFEST, manifest)
-    return {"merged": sorted(incoming), "kept": sorted(kept), "invocations": added}
+    return {"merged": sorted(incoming), "kept": sorted(kept), "invocations": added, "updated": updated,
+            "no_manifest": [str(src) for src in sources if not (src / MANIFEST).exists()]}
 
 
 def listed(lines: list[str], most: int = 8) -> str:
@@ -728,10 +776,18 @@ def main(args: argparse.Namespace) -> None:
     g = resolve_grid(args)
     out, logdir = g["out"], g["logdir"]
     if args.merge:
+        given = [f"--{k.replace('_', '-')}" for k in ("tasks", "variants", "seeds", "steps", "episodes", "jobs",
+                                                      "logdir", "quick", "dry_run", "report_only", "config")
+                 if getattr(args, k, None)]
+        if given:
+            raise SystemExit(f"error: --merge takes the folders to merge and --out alone, not {', '.join(given)}")
         done = merge(out, [Path(d) for d in args.merge])
-        print(f"merged {len(done['merged'])} run(s) and {done['invocations']} invocation(s) into {out}"
+        print(f"merged {len(done['merged'])} run(s) into {out}, and {done['invocations']} invocation(s)"
+              + (f" ({done['updated']} more completed)" if done["updated"] else "")
               + (f"; {len(done['kept'])} run(s) already there kept their result" if done["kept"] else ""))
-        if not done["merged"]:
+        for src in done["no_manifest"]:
+            print(f"note: {src} has no {MANIFEST}, so how its runs were made is not recorded in {out / MANIFEST}")
+        if not (done["merged"] or done["invocations"] or done["updated"]):
             return
     if args.report_only or args.merge:
         if args.merge and missing_modules(REPORT_MODULES):
