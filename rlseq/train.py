@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-steps", type=int, default=None, help="steps per env per rollout")
     p.add_argument("--n-minibatches", type=int, default=None)
     p.add_argument("--n-epochs", type=int, default=None)
-    p.add_argument("--learning-rate", type=float, default=None)
+    p.add_argument("--learning-rate", type=float, default=None,
+                   help="PPO's learning rate (learning_rate), for every memory: it replaces the config's "
+                        "memory_learning_rate too")
     p.add_argument("--distribution-mode", default=None,
                    help="procgen only: easy, hard, memory, ... (valid modes depend on the game)")
     p.add_argument("--num-levels", type=int, default=None, help="procgen only")
@@ -140,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no progress lines (the speed after 10 s, the estimate after the second rollout and the "
                         "closing summary are printed still; otherwise a line with the speed, the time left and the "
                         "recent mean return every second on a terminal, every 30 s in a log file)")
-    p.add_argument("--verbose", type=int, default=0)
+    p.add_argument("--verbose", type=int, default=0, help="SB3's verbosity (0: none, 1: its log tables, 2: debug)")
     return p
 
 

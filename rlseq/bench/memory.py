@@ -696,7 +696,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"a slice: {', '.join(short_task(t) for t in QUICK['tasks'])}; "
                              f"{', '.join(QUICK['variants'])}; seeds {', '.join(map(str, QUICK['seeds']))}; "
                              f"{QUICK['steps']:,} steps (flags given win): memory inside and beyond the window, a few "
-                             "about 3.5 minutes on 2 cores")
+                             "about 3.3 minutes on 2 cores (README.md)")
     parser.add_argument("--report-only", action="store_true", help="rewrite <out>.md and <out>/curves.png from "
                                                                    "<out>/results and exit")
     parser.add_argument("--dry-run", action="store_true", help="print each run's state and training command, and exit")
