@@ -161,6 +161,30 @@ def test_the_report_from_synthetic_result_files(tmp_path, monkeypatch):
     assert path.read_text().replace(str(out), "OUT") == text.replace(str(out), "OUT")
 
 
+def test_speeds_get_a_table_per_machine_and_a_warning_where_results_do_not_name_theirs(tmp_path, monkeypatch):
+    _few_resamples(monkeypatch)
+    out = tmp_path / "memory_benchmark"
+    _synthetic(out)  # results without a cpu, one invocation on "CPU X"
+    assert "### " not in R.write_report(out).read_text().split("## Training speed")[1].split("## ")[0]
+    manifest = R.read_manifest(out)
+    manifest["invocations"].append({**manifest["invocations"][0], "cpu": "CPU Y", "started": "2030-01-02 00:00"})
+    (out / R.MANIFEST).write_text(json.dumps(manifest))
+    speed = R.write_report(out).read_text().split("## Training speed")[1]
+    assert "The invocations ran on 2 machines (CPU X, CPU Y) and these results do not record which made them" in speed
+    for variant, cpu in (("efla", "CPU X"), ("none", "CPU Y")):  # sb3-lstm's results stay unrecorded
+        for path in (out / "results").rglob(f"{variant}/seed*.json"):
+            if not path.name.endswith(".failed.json"):
+                doc = json.loads(path.read_text())
+                path.write_text(json.dumps({**doc, "cpu": cpu, "env_steps_per_s": 10.0 if cpu == "CPU X" else 20.0}))
+    speed = R.write_report(out).read_text().split("## Training speed")[1].split("## Learning curves")[0]
+    assert "do not record" not in speed
+    x, rest = speed.split("### CPU X")[1].split("### CPU Y")
+    y, unrecorded = rest.split("### Machine not recorded")
+    assert "| task | efla |" in x and "| RepeatPreviousEasy | 10 |" in x
+    assert "| task | none |" in y and "| RepeatFirstEasy | 20 |" in y
+    assert "| task | sb3-lstm |" in unrecorded and "| RepeatPreviousEasy | 1,000 |" in unrecorded
+
+
 def test_hand_written_notes_are_appended_and_the_terminal_table_matches_the_report(tmp_path):
     out = tmp_path / "memory_benchmark"
     _synthetic(out)
@@ -337,7 +361,8 @@ def test_another_machines_runs_merge_in_and_runs_already_there_keep_their_result
     assert json.loads(R.run_paths(out, T1, "efla", 0)["result"].read_text())["eval_mean"] == 0.9
     assert json.loads(R.run_paths(out, T1, "none", 0)["result"].read_text())["eval_mean"] == -0.5
     assert not failed_here.exists()
-    assert R.run_paths(out, T2, "efla", 1)["curve"].read_text() == R.run_paths(other, T2, "efla", 1)["curve"].read_text()
+    curve = R.run_paths(other, T2, "efla", 1)["curve"].read_text()
+    assert R.run_paths(out, T2, "efla", 1)["curve"].read_text() == curve
     assert not R.run_paths(out, T2, "none", 1)["failed"].exists()
     assert json.loads(R.random_path(out, T1).read_text())["mean"] == -0.51  # out's own stays
     assert json.loads(R.random_path(out, T2).read_text())["mean"] == -0.49

@@ -515,7 +515,7 @@ def _evaluate(spec: dict[str, Any], folder: Path, paths: dict[str, Path], *, tra
            "eval_wall_s": eval_wall, "resumed": resumed, "run_folder": str(folder),
            "config": {k: cfg.get(k) for k in ("algo", "n_envs", "n_steps", "n_minibatches", "n_epochs",
                                                "learning_rate", "gamma", "ent_coef")},
-           "versions": spec["versions"], "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+           "versions": spec["versions"], "cpu": cpu_model(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     paths["curve"].parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(paths["curve"], curve.to_csv(index=False))
     _write_json(paths["result"], doc)  # last: its presence marks the run finished

@@ -4,7 +4,7 @@ Layout of an output folder OUT (written by :mod:`rlseq.bench.memory`; small enou
 
     OUT/benchmark.json                                 every invocation: command, grid, jobs, machine, wall time
     OUT/results/<task>/random.json                     uniformly random actions: the chance level of the task
-    OUT/results/<task>/<variant>/seed<S>.json          a finished run: final evaluation, speed, config, versions
+    OUT/results/<task>/<variant>/seed<S>.json          a finished run: final evaluation, speed, config, versions, CPU
     OUT/results/<task>/<variant>/seed<S>.csv           its training curve: step, ep_rew_mean
     OUT/results/<task>/<variant>/seed<S>.failed.json   a run that failed, with the end of its log
     OUT/curves.png                                     the learning curves, written with the report
@@ -92,9 +92,9 @@ class Results:
     """Everything the report is made from.
 
     ``runs``: one row per finished run (columns task, variant, seed, steps, eval_mean, eval_std, episodes,
-    env_steps_per_s, train_wall_s, eval_wall_s). ``curves``: columns task, variant, seed, step, value
-    (``rollout/ep_rew_mean``). ``failures``: the failure records of runs without a result. ``random``: task ->
-    mean return of random actions. ``missing``: names of grid runs with neither a result nor a failure.
+    env_steps_per_s, train_wall_s, eval_wall_s, cpu: the machine, NaN where not recorded). ``curves``: columns task,
+    variant, seed, step, value (``rollout/ep_rew_mean``). ``failures``: the failure records of runs without a
+    result. ``random``: task -> mean return of random actions. ``missing``: names of grid runs with neither a result nor a failure.
     ``records``: the result JSONs themselves (configs and versions). ``grid``: :func:`grid_of` the manifest.
     """
 
@@ -109,7 +109,7 @@ class Results:
 
 
 RUN_COLUMNS = ["task", "variant", "seed", "steps", "eval_mean", "eval_std", "episodes", "env_steps_per_s",
-               "train_wall_s", "eval_wall_s"]
+               "train_wall_s", "eval_wall_s", "cpu"]
 
 
 def load_results(out: str | Path) -> Results:
@@ -349,7 +349,7 @@ def render(res: Results, out: str | Path, *, png: Path | None, reps: int = REPS,
     lines += _spread_section(res.runs, tasks, variants)
     lines += _budget_check_section(res.curves, summary, tasks)
     lines += _verdict_lines(summary, tasks, variants)
-    lines += _speed_table(res.runs, tasks, variants)
+    lines += _speed_table(res.runs, tasks, variants, res.manifest)
     if png is not None:
         rel = Path(os.path.relpath(png, report_path(out).parent)).as_posix()
         lines += ["## Learning curves", "",
@@ -573,15 +573,35 @@ def _verdict_lines(summary: pd.DataFrame, tasks: list[str], variants: list[str])
     return lines + [""]
 
 
-def _speed_table(runs: pd.DataFrame, tasks: list[str], variants: list[str]) -> list[str]:
-    per_task, overall = speeds(runs)
-    if overall.empty:
+def _speed_table(runs: pd.DataFrame, tasks: list[str], variants: list[str],
+                 manifest: dict[str, Any] | None = None) -> list[str]:
+    """Median env-steps/s per task and variant: one table per machine when the results name several (their
+    ``cpu``), else one table, with a warning when the invocations name several machines that the results do not
+    tell apart (results written before they recorded their CPU)."""
+    if speeds(runs)[1].empty:
         return []
-    cols = [v for v in variants if v in overall.index]
     lines = ["## Training speed", "",
              "Env-steps/s of training (env steps between the first and last logged rollout over the wall time between "
-             "them), median over runs; measured while the benchmark's other jobs ran beside it.", "",
-             "| task | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
+             "them), median over runs; measured while the benchmark's other jobs ran beside it.", ""]
+    named = runs["cpu"].dropna().astype(str)
+    machines, unrecorded = sorted(set(named)), len(named) < len(runs)
+    if len(machines) > 1 or (machines and unrecorded):
+        for cpu in [*machines, *([None] if unrecorded else [])]:
+            part = runs[runs["cpu"].isna()] if cpu is None else runs[runs["cpu"].astype(str) == cpu]
+            lines += [f"### {cpu if cpu is not None else 'Machine not recorded'}", "",
+                      *_speed_rows(part, tasks, variants)]
+        return lines
+    cpus = {inv.get("cpu") for inv in (manifest or {}).get("invocations", []) if inv.get("cpu")}
+    if not machines and len(cpus) > 1:
+        lines += [f"The invocations ran on {len(cpus)} machines ({', '.join(sorted(cpus))}) and these results do not "
+                  "record which made them: a cell may mix machines, so compare variants within a task with care.", ""]
+    return lines + _speed_rows(runs, tasks, variants)
+
+
+def _speed_rows(runs: pd.DataFrame, tasks: list[str], variants: list[str]) -> list[str]:
+    per_task, overall = speeds(runs)
+    cols = [v for v in variants if v in overall.index]
+    lines = ["| task | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]
     for t in tasks:
         if t in per_task.index:
             vals = per_task.loc[t]
