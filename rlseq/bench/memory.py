@@ -217,8 +217,10 @@ def merge(out: Path, sources: list[Path]) -> dict[str, Any]:
             raise SystemExit(f"error: --merge {src} is --out itself")
         if not (src / "results").is_dir():
             raise SystemExit(f"error: --merge {src}: no results folder there ({src / 'results'}); nothing was merged")
+    source_tasks: dict[Path, set[str]] = {}
     for src in sources:
         for path, doc in _finished_results(src):
+            source_tasks.setdefault(src, set()).add(doc["task"])
             name = f"{doc['task']}/{doc['variant']}/seed{doc['seed']}"
             if run_paths(out, doc["task"], doc["variant"], doc["seed"])["result"].exists():
                 kept.append(name)
@@ -259,7 +261,7 @@ def merge(out: Path, sources: list[Path]) -> dict[str, Any]:
         _write_json(paths["result"], doc)  # last: its presence marks the run finished
         paths["failed"].unlink(missing_ok=True)
     for src in sources:
-        for task in {doc["task"] for _, doc in _finished_results(src)}:
+        for task in source_tasks.get(src, ()):
             if random_path(src, task).exists() and not random_path(out, task).exists():
                 _write_json(random_path(out, task), json.loads(random_path(src, task).read_text()))
     manifest = read_manifest(out)

@@ -94,8 +94,9 @@ class Results:
     ``runs``: one row per finished run (columns task, variant, seed, steps, eval_mean, eval_std, episodes,
     env_steps_per_s, train_wall_s, eval_wall_s, cpu: the machine, NaN where not recorded). ``curves``: columns task,
     variant, seed, step, value (``rollout/ep_rew_mean``). ``failures``: the failure records of runs without a
-    result. ``random``: task -> mean return of random actions. ``missing``: names of grid runs with neither a result nor a failure.
-    ``records``: the result JSONs themselves (configs and versions). ``grid``: :func:`grid_of` the manifest.
+    result. ``random``: task -> mean return of random actions. ``missing``: names of grid runs with neither a
+    result nor a failure. ``records``: the result JSONs themselves (configs and versions). ``grid``: :func:`grid_of`
+    the manifest.
     """
 
     runs: pd.DataFrame
