@@ -65,6 +65,35 @@ def test_the_verdicts_name_the_best_its_overlaps_and_what_is_at_or_below_none():
     assert v["none_iqm"] == -0.3 and v["at_or_below_none"] == ["lstm", "sb3-lstm"]
 
 
+def test_the_fair_block_checks_hold_rnns_to_the_anchors_and_efla_to_the_best_baseline():
+    def row(task, variant, n, iqm, lo, hi):
+        return {"task": task, "variant": variant, "n": n, "iqm": iqm, "ci_low": lo, "ci_high": hi}
+
+    summary = pd.DataFrame([
+        row(T1, "efla", 5, 0.70, 0.60, 0.80), row(T1, "gru", 5, 0.85, 0.81, 0.90),
+        row(T1, "lstm", 5, 0.20, 0.10, 0.30), row(T1, "sb3-lstm", 5, 0.50, 0.35, 0.62),
+        row(T1, "sb3-lstm-shared", 1, 0.30, math.nan, math.nan), row(T1, "none", 5, -0.5, -0.6, -0.4),
+        # T2: no anchor yet; EFLA's CI reaches DeltaNet's, the best there, by the smallest margin
+        row(T2, "efla", 5, 0.40, 0.30, 0.50), row(T2, "deltanet", 5, 0.60, 0.50, 0.70),
+        row(T2, "gru", 5, 0.55, 0.45, 0.65), row(T2, "efla-conv1", 5, 0.90, 0.85, 0.95),
+    ])
+    checks = R.fair_block_checks(summary)
+    by = {(r.task, r.check, r.subject, r.against): r for r in checks.itertuples()}
+    assert set(by) == {(T1, "anchor", "gru", "sb3-lstm"), (T1, "anchor", "gru", "sb3-lstm-shared"),
+                       (T1, "anchor", "lstm", "sb3-lstm"), (T1, "anchor", "lstm", "sb3-lstm-shared"),
+                       (T1, "reference", "efla", "gru"), (T2, "reference", "efla", "deltanet")}
+    assert by[T1, "anchor", "gru", "sb3-lstm"].holds
+    assert not by[T1, "anchor", "lstm", "sb3-lstm"].holds                 # 0.30 < 0.35
+    assert by[T1, "anchor", "lstm", "sb3-lstm"].gap == pytest.approx(0.05)
+    assert by[T1, "anchor", "lstm", "sb3-lstm-shared"].holds              # one seed: a point, 0.30 <= 0.30
+    assert not by[T1, "reference", "efla", "gru"].holds                   # 0.80 < 0.81
+    assert by[T2, "reference", "efla", "deltanet"].holds                  # 0.50 >= 0.50; controls are no rivals
+    section = "\n".join(R._fair_block_section(summary, [T1, T2]))
+    assert f"Below an anchor: {R.short_task(T1)} (lstm vs sb3-lstm)." in section
+    assert f"efla below the best baseline: {R.short_task(T1)} (efla vs gru)." in section
+    assert R._fair_block_section(summary[summary["variant"] == "none"], [T1]) == []
+
+
 def test_speeds_are_medians_over_runs():
     per_task, overall = R.speeds(_runs({(T1, "efla"): [0, 0, 0], (T2, "efla"): [0], (T1, "none"): [0, 0]}))
     assert per_task.loc[T1, "efla"] == 200.0 and per_task.loc[T2, "efla"] == 100.0

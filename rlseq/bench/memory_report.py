@@ -36,6 +36,10 @@ REFERENCE = "efla"  # the memory the probability-of-improvement table compares w
 FLAT_GAIN = 0.05  # a curve whose last 20% gains less than this has flattened (the budget check)
 NOTES = "notes.md"  # optional, hand-written: appended to the report as it is
 MEMORYLESS = "none"
+# the fair block's checks (fair_block_checks): rlseq's recurrent baselines must be at or above sb3-contrib's LSTM
+# anchors, and the reference memory at or above the best of these baselines and the anchors, on every task
+RNN_BASELINES = ("gru", "lstm")
+BASELINES = ("deltanet", *RNN_BASELINES)
 REPS = 2000  # bootstrap resamples of each CI
 
 
@@ -186,6 +190,41 @@ def verdicts(summary: pd.DataFrame) -> dict[str, dict[str, Any]]:
         out[task] = {"best": best.variant, "best_iqm": float(best.iqm), "overlap": overlap,
                      "none_iqm": none_iqm, "at_or_below_none": below}
     return out
+
+
+def not_below(subject: Any, other: Any) -> bool:
+    """Is ``subject`` at or above ``other`` within their CIs (summary rows)? True unless the subject's CI lies
+    wholly under the other's: its top below the other's bottom (a row of one seed is a point)."""
+    return _interval(subject)[1] >= _interval(other)[0]
+
+
+def fair_block_checks(summary: pd.DataFrame) -> pd.DataFrame:
+    """The fair block's two comparisons, per task where both sides have results: each of rlseq's recurrent
+    baselines (:data:`RNN_BASELINES`) against each sb3-contrib anchor (check ``anchor``), and the reference memory
+    against the best baseline by IQM (:data:`BASELINES`; check ``reference``). Columns task, check, subject,
+    against, subject_iqm, against_iqm, n_subject, n_against, holds (:func:`not_below`) and gap (the other's CI
+    bottom minus the subject's CI top: positive by as much as the subject is below)."""
+    from rlseq.bench.memory import ANCHORS
+
+    columns = ["task", "check", "subject", "against", "subject_iqm", "against_iqm", "n_subject", "n_against", "holds",
+               "gap"]
+    rows = []
+
+    def add(check: str, a: Any, b: Any) -> None:
+        rows.append({"task": a.task, "check": check, "subject": a.variant, "against": b.variant,
+                     "subject_iqm": float(a.iqm), "against_iqm": float(b.iqm), "n_subject": int(a.n),
+                     "n_against": int(b.n), "holds": not_below(a, b), "gap": _interval(b)[0] - _interval(a)[1]})
+
+    for _, s in summary.groupby("task", sort=False):
+        by = {r.variant: r for r in s.itertuples()}
+        for rnn in RNN_BASELINES:
+            for anchor in ANCHORS:
+                if rnn in by and anchor in by:
+                    add("anchor", by[rnn], by[anchor])
+        rivals = [by[v] for v in (*BASELINES, *ANCHORS) if v in by]
+        if REFERENCE in by and rivals:
+            add("reference", by[REFERENCE], max(rivals, key=lambda r: r.iqm))
+    return pd.DataFrame(rows, columns=columns)
 
 
 def speeds(runs: pd.DataFrame) -> tuple[pd.DataFrame, pd.Series]:
@@ -350,6 +389,7 @@ def render(res: Results, out: str | Path, *, png: Path | None, reps: int = REPS,
     lines += _spread_section(res.runs, tasks, variants)
     lines += _budget_check_section(res.curves, summary, tasks)
     lines += _verdict_lines(summary, tasks, variants)
+    lines += _fair_block_section(summary, tasks)
     lines += _speed_table(res.runs, tasks, variants, res.manifest)
     if png is not None:
         rel = Path(os.path.relpath(png, report_path(out).parent)).as_posix()
@@ -572,6 +612,46 @@ def _verdict_lines(summary: pd.DataFrame, tasks: list[str], variants: list[str])
             text += f"; at or below none ({_num(v['none_iqm'])}): {below}"
         lines.append(text + ".")
     return lines + [""]
+
+
+def _fair_block_section(summary: pd.DataFrame, tasks: list[str]) -> list[str]:
+    checks = fair_block_checks(summary)
+    if checks.empty:
+        return []
+    order = {t: i for i, t in enumerate(tasks)}
+    at = {(r.task, r.check, r.subject, r.against): r
+          for r in sorted(checks.itertuples(), key=lambda r: order.get(r.task, len(order)))}
+
+    def cell(r: Any) -> str:
+        word = "at or above" if r.holds else f"**below** by {r.gap:.2g}"
+        return f"{word} ({_num(r.subject_iqm)} vs {_num(r.against_iqm)}; seeds {r.n_subject} / {r.n_against})"
+
+    def failing(check: str) -> str:
+        names = [f"{short_task(t)} ({a} vs {b})" for (t, c, a, b), r in at.items() if c == check and not r.holds]
+        return ", ".join(names) or "none"
+
+    lines = ["## The fair block's checks", "",
+             "A pair holds when the first variant's CI reaches the second's (its top at or above the other's bottom; "
+             "a variant with one seed is a point); one that does not says by how much its CI falls short. Tasks "
+             "where a side has no result yet are left out.", ""]
+    anchors = checks[checks["check"] == "anchor"]
+    if len(anchors):
+        pairs = list(dict.fromkeys(zip(anchors["subject"], anchors["against"])))
+        lines += [f"rlseq's {' and '.join(RNN_BASELINES)} against sb3-contrib's own LSTM (the anchors): IQM vs IQM.", "",
+                  "| task | " + " | ".join(f"{a} vs {b}" for a, b in pairs) + " |", "|---|" + "---|" * len(pairs)]
+        for t in tasks:
+            if any((t, "anchor", a, b) in at for a, b in pairs):
+                lines.append(f"| {short_task(t)} | " + " | ".join(
+                    cell(at[t, "anchor", a, b]) if (t, "anchor", a, b) in at else "–" for a, b in pairs) + " |")
+        lines += ["", f"Below an anchor: {failing('anchor')}.", ""]
+    reference = checks[checks["check"] == "reference"]
+    if len(reference):
+        lines += [f"{REFERENCE} against the best of {', '.join(BASELINES)} and the anchors on each task (by IQM).", "",
+                  f"| task | best baseline | {REFERENCE} vs it |", "|---|---|---|"]
+        by_task = {r.task: r for r in reference.itertuples()}
+        lines += [f"| {short_task(t)} | {by_task[t].against} | {cell(by_task[t])} |" for t in tasks if t in by_task]
+        lines += ["", f"{REFERENCE} below the best baseline: {failing('reference')}.", ""]
+    return lines
 
 
 def _speed_table(runs: pd.DataFrame, tasks: list[str], variants: list[str],
