@@ -190,6 +190,23 @@ def test_the_report_from_synthetic_result_files(tmp_path, monkeypatch):
     assert path.read_text().replace(str(out), "OUT") == text.replace(str(out), "OUT")
 
 
+def test_greedy_returns_get_their_own_table_from_the_results_that_have_them(tmp_path, monkeypatch):
+    _few_resamples(monkeypatch)
+    out = tmp_path / "memory_benchmark"
+    _synthetic(out)
+    assert "greedy actions" not in R.write_report(out).read_text()  # results made before greedy was recorded
+    for seed, greedy in ((0, 1.0), (1, 0.9)):
+        path = R.run_paths(out, T1, "efla", seed)["result"]
+        path.write_text(json.dumps({**json.loads(path.read_text()), "eval_greedy_mean": greedy}))
+    text = R.write_report(out).read_text()
+    section = text.split("## Final evaluation return, greedy actions")[1].split("\n## ")[0]
+    assert "2 of 10 results have it" in section
+    assert "| RepeatPreviousEasy | -0.50 | 0.95 [0.90, 1.00] | – | – |" in section
+    assert R.short_task(T2) not in section
+    # the headline table keeps the sampled returns
+    assert "| RepeatPreviousEasy | -0.50 | 0.85 [0.80, 0.90] |" in text.split("## Final evaluation return, greedy")[0]
+
+
 def test_speeds_get_a_table_per_machine_and_a_warning_where_results_do_not_name_theirs(tmp_path, monkeypatch):
     _few_resamples(monkeypatch)
     out = tmp_path / "memory_benchmark"
@@ -623,6 +640,7 @@ def test_a_tiny_slice_end_to_end(tmp_path, capsys):
     for variant in ("none", "efla", "sb3-efla"):
         doc = json.loads(R.run_paths(out, T1, variant, 0)["result"].read_text())
         assert doc["episodes"] == 8 and -1.0 <= doc["eval_mean"] <= 1.0 and doc["env_steps_per_s"] > 0
+        assert -1.0 <= doc["eval_greedy_mean"] <= 1.0 and doc["eval_greedy_std"] >= 0.0
         assert doc["config"]["n_envs"] == 4 and doc["versions"]["popgym"]
         curve = pd.read_csv(R.run_paths(out, T1, variant, 0)["curve"])
         assert list(curve.columns) == ["step", "ep_rew_mean"] and curve["step"].max() == 512
@@ -630,6 +648,7 @@ def test_a_tiny_slice_end_to_end(tmp_path, capsys):
         assert M.commit_marker(folder).read_text() == f"{doc['versions']['rlseq']}\n"
     text = (tmp_path / "bench.md").read_text()
     assert "| RepeatPreviousEasy |" in text and "| task | random | efla | none | sb3-efla |" in text
+    assert "## Final evaluation return, greedy actions" in text and "3 of 3 results have it" in text
     assert (out / R.CURVES_PNG).exists() and json.loads(R.random_path(out, T1).read_text())["episodes"] == 8
     # the same command again: everything is done, nothing runs and no invocation is added
     capsys.readouterr()

@@ -12,10 +12,11 @@ long-range POPGym tasks at Medium and POPGym's ten Easy tasks. The variants: rls
 its own LSTM as outside anchors (``sb3-lstm``: its defaults; ``sb3-lstm-shared``: one shared LSTM), and the
 drop-in ``RecurrentPPO(EflaMlpPolicy)`` (``sb3-efla``: rlseq's block and EFLA inside sb3-contrib). Every run of a
 task gets the same env-step budget. Each run is one ``python -m rlseq.train`` process with one torch thread (its
-folder ``<logdir>/<task>/<variant>/seed<S>/``, log in ``train.log``), then, in the same worker, an evaluation of
-its final model on new episodes; the worker writes the run's result JSON and its curve CSV under
-``<out>/results/`` (see :mod:`rlseq.bench.memory_report`), atomically, and ``<out>/benchmark.json`` records each
-invocation. ``--jobs`` workers run side by side.
+folder ``<logdir>/<task>/<variant>/seed<S>/``, log in ``train.log``), then, in the same worker, two evaluations
+of its final model on new episodes from the same env seeds, with sampled actions (as in training) and greedy
+ones; the worker writes the run's result JSON and its curve CSV under ``<out>/results/`` (see
+:mod:`rlseq.bench.memory_report`), atomically, and ``<out>/benchmark.json`` records each invocation. ``--jobs``
+workers run side by side.
 
 Resuming: the same command again skips every run with a result, only evaluates a run whose training finished,
 and continues an interrupted run from its last checkpoint (``--resume``). A run that fails is reported with the
@@ -506,14 +507,15 @@ def _evaluate(spec: dict[str, Any], folder: Path, paths: dict[str, Path], *, tra
 
     torch.set_num_threads(1)
     t0 = time.time()
-    ev = evaluate(folder, spec["episodes"], n_envs=min(EVAL_ENVS, spec["episodes"]), progress=False,
-                  device=spec["device"])
+    ev, greedy = (evaluate(folder, spec["episodes"], n_envs=min(EVAL_ENVS, spec["episodes"]), progress=False,
+                           device=spec["device"], deterministic=deterministic) for deterministic in (False, True))
     eval_wall = time.time() - t0
     curve, speed = curve_and_speed(folder)
     cfg = yaml.safe_load((folder / "config.yaml").read_text()) or {}
     doc = {"name": spec["name"], "task": spec["task"], "variant": spec["variant"], "seed": spec["seed"],
            "steps": spec["steps"], "episodes": int(ev["episodes"]), "eval_mean": ev["mean"], "eval_std": ev["std"],
-           "eval_min": ev["min"], "eval_max": ev["max"], "env_steps_per_s": speed, "train_wall_s": train_wall,
+           "eval_min": ev["min"], "eval_max": ev["max"], "eval_greedy_mean": greedy["mean"],
+           "eval_greedy_std": greedy["std"], "env_steps_per_s": speed, "train_wall_s": train_wall,
            "eval_wall_s": eval_wall, "resumed": resumed, "run_folder": str(folder),
            "config": {k: cfg.get(k) for k in ("algo", "n_envs", "n_steps", "n_minibatches", "n_epochs",
                                                "learning_rate", "gamma", "ent_coef")},
@@ -662,7 +664,8 @@ def _collect(fut: Any, run: BenchRun, answers: dict[str, list[dict[str, Any]]], 
     answers[answer["state"]].append(answer)
     if answer["state"] == "done":
         finished.add(run)
-        bar.write(f"done   {run.name}: return {answer['eval_mean']:.3f} over {answer['episodes']} episodes")
+        bar.write(f"done   {run.name}: return {answer['eval_mean']:.3f} over {answer['episodes']} episodes "
+                  f"(greedy actions: {answer['eval_greedy_mean']:.3f})")
     elif answer["state"] == "failed":
         tail = "\n".join(f"    | {line}" for line in answer.get("log_tail", [])[-12:])
         bar.write(f"FAILED {run.name}: {answer['reason']}" + (f"\n  end of {answer['log']}:\n{tail}"

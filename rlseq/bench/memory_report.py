@@ -4,7 +4,8 @@ Layout of an output folder OUT (written by :mod:`rlseq.bench.memory`; small enou
 
     OUT/benchmark.json                                 every invocation: command, grid, jobs, machine, wall time
     OUT/results/<task>/random.json                     uniformly random actions: the chance level of the task
-    OUT/results/<task>/<variant>/seed<S>.json          a finished run: final evaluation, speed, config, versions, CPU
+    OUT/results/<task>/<variant>/seed<S>.json          a finished run: final evaluation (sampled and greedy
+                                                       actions), speed, config, versions, CPU
     OUT/results/<task>/<variant>/seed<S>.csv           its training curve: step, ep_rew_mean
     OUT/results/<task>/<variant>/seed<S>.failed.json   a run that failed, with the end of its log
     OUT/curves.png                                     the learning curves, written with the report
@@ -12,8 +13,8 @@ Layout of an output folder OUT (written by :mod:`rlseq.bench.memory`; small enou
     OUT.md                                             the report (docs/memory_benchmark -> docs/memory_benchmark.md)
 
 Statistics: per task and variant the IQM of the seeds' final evaluation returns with a 95% percentile
-stratified-bootstrap CI (rliable, through :func:`rlseq.compare.summarize`); env-steps/s as the median over
-runs.
+stratified-bootstrap CI (rliable, through :func:`rlseq.compare.summarize`), with sampled actions (the headline, as
+the policy trains) and, where the results have them, greedy actions; env-steps/s as the median over runs.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ class Results:
     """Everything the report is made from.
 
     ``runs``: one row per finished run (columns task, variant, seed, steps, eval_mean, eval_std, episodes,
-    env_steps_per_s, train_wall_s, eval_wall_s, cpu: the machine, NaN where not recorded). ``curves``: columns task,
+    eval_greedy_mean: the same with greedy actions, env_steps_per_s, train_wall_s, eval_wall_s, cpu: the machine;
+    NaN where not recorded). ``curves``: columns task,
     variant, seed, step, value (``rollout/ep_rew_mean``). ``failures``: the failure records of runs without a
     result. ``random``: task -> mean return of random actions. ``missing``: names of grid runs with neither a
     result nor a failure. ``records``: the result JSONs themselves (configs and versions). ``grid``: :func:`grid_of`
@@ -113,8 +115,8 @@ class Results:
     grid: dict[str, Any] = field(default_factory=dict)
 
 
-RUN_COLUMNS = ["task", "variant", "seed", "steps", "eval_mean", "eval_std", "episodes", "env_steps_per_s",
-               "train_wall_s", "eval_wall_s", "cpu"]
+RUN_COLUMNS = ["task", "variant", "seed", "steps", "eval_mean", "eval_std", "episodes", "eval_greedy_mean",
+               "env_steps_per_s", "train_wall_s", "eval_wall_s", "cpu"]
 
 
 def load_results(out: str | Path) -> Results:
@@ -385,6 +387,7 @@ def render(res: Results, out: str | Path, *, png: Path | None, reps: int = REPS,
     lines += _budget(res, tasks)
     lines += _horizon_section(res, summary, variants, out, horizon_png)
     lines += _returns_table(res, summary, tasks, variants, reps)
+    lines += _greedy_section(res, tasks, variants, reps)
     lines += _poi_section(res.runs, tasks, variants, reps)
     lines += _spread_section(res.runs, tasks, variants)
     lines += _budget_check_section(res.curves, summary, tasks)
@@ -503,6 +506,19 @@ def _returns_table(res: Results, summary: pd.DataFrame, tasks: list[str], varian
             "reference)." + (" Returns lie in [-1, 1]." if all(t.startswith(("popgym-", "rlseq/RepeatPrevious")) for t in tasks)
                else ""),
             "", *_returns_rows(res, summary, tasks, variants), ""]
+
+
+def _greedy_section(res: Results, tasks: list[str], variants: list[str], reps: int) -> list[str]:
+    greedy = res.runs[np.isfinite(res.runs["eval_greedy_mean"].astype(float))]
+    if greedy.empty:
+        return []
+    summary = summarize(greedy.assign(eval_mean=greedy["eval_greedy_mean"]), reps=reps)
+    return ["## Final evaluation return, greedy actions", "",
+            "The same final models from the same env seeds, each step taking the policy's most likely action "
+            "(SB3's `evaluate_policy` default) instead of sampling it. Where a task's sampled returns fall below "
+            "these, the table above measures how peaked each policy has become as well as what its memory holds. "
+            f"{len(greedy)} of {len(res.runs)} results have it (those made before it was recorded do not).", "",
+            *_returns_rows(res, summary, [t for t in tasks if t in set(greedy["task"])], variants), ""]
 
 
 def _returns_rows(res: Results, summary: pd.DataFrame, tasks: list[str], variants: list[str]) -> list[str]:
