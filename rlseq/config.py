@@ -70,6 +70,38 @@ def _real(low: float | None = None, high: float | None = None, *, above: bool = 
     return check
 
 
+LINEAR_PREFIX = "lin_"  # RL Zoo's spelling of a learning rate annealed linearly to 0 over the run: lin_5e-4
+
+
+def _learning_rate(value: Any) -> float | str:
+    """Checker of a learning rate: a number > 0, or ``lin_<number > 0>``, annealed linearly from that number to 0
+    over ``n_timesteps`` (RL Zoo's convention; CleanRL's PPO anneals so by default). The schedule is returned as
+    ``lin_<number>`` with the number written back in its shortest form: what :func:`learning_rate_schedule` reads."""
+    if isinstance(value, str) and value.strip().startswith(LINEAR_PREFIX):
+        try:
+            start = _real(0, above=True)(value.strip()[len(LINEAR_PREFIX):])
+        except ValueError as e:
+            raise ValueError(f"{e} after {LINEAR_PREFIX!r} (a linear schedule from that rate to 0, e.g. "
+                             f"{LINEAR_PREFIX}5e-4)") from None
+        return f"{LINEAR_PREFIX}{start!r}"
+    try:
+        return _real(0, above=True)(value)
+    except ValueError as e:
+        raise ValueError(f"{e}, or {LINEAR_PREFIX}<rate> for a linear schedule to 0 (e.g. {LINEAR_PREFIX}5e-4)") from None
+
+
+def learning_rate_schedule(value: float | str) -> float | Callable[[float], float]:
+    """What SB3-style algorithms take as ``learning_rate``: the constant, or for ``lin_<rate>`` SB3's
+    ``LinearSchedule`` from the rate (progress remaining 1) to 0 (progress remaining 0). It stays at 0 past the
+    budget, where the last rollout overshoots ``n_timesteps``, instead of turning negative."""
+    from stable_baselines3.common.utils import LinearSchedule
+
+    checked = _learning_rate(value)
+    if isinstance(checked, str):
+        return LinearSchedule(float(checked[len(LINEAR_PREFIX):]), 0.0, 1.0)
+    return checked
+
+
 def _bound(x: float) -> str:
     """``x`` in the fewest digits that give it back (π named): "<= 3.14159" would refuse 3.1416 as above a bound
     that reads as below it."""
@@ -123,7 +155,7 @@ MAX_SCALE = 1e12  # the largest reward scale and value shift (float32's largest 
 CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
     **dict.fromkeys(("n_timesteps", "n_envs", "n_steps", "n_minibatches", "n_epochs", "checkpoint_every",
                      "env_groups"), _whole(1)),
-    "learning_rate": _real(0, above=True), "gamma": _real(0, 1, above=True), "gae_lambda": _real(0, 1),
+    "learning_rate": _learning_rate, "gamma": _real(0, 1, above=True), "gae_lambda": _real(0, 1),
     "ent_coef": _real(0), "vf_coef": _real(0), "clip_range": _real(0, above=True), "max_grad_norm": _real(0, above=True),
     # returns of ~100 such rewards (or values of such a shift) and their squares stay well inside float32
     "reward_scale": _real(0, MAX_SCALE, above=True), "value_shift": _real(-MAX_SCALE, MAX_SCALE),

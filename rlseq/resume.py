@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from rlseq.build import _algo_class, make_env, saved_speed_settings
-from rlseq.config import UsageError, _check_cuda_graph_train, asked, cuda_graph_train_arg
+from rlseq.config import LINEAR_PREFIX, UsageError, _check_cuda_graph_train, asked, cuda_graph_train_arg
 
 
 def _resume_point(folder: Path) -> Path | None:
@@ -69,6 +69,10 @@ def refuse_changed_settings(cfg: dict[str, Any], folder: Path, checkpoint: Path)
     for key in RESUME_STATED_KEYS:
         if key in saved and cfg.get(key) != saved[key]:
             print(f"note: {key} was {saved[key]!r} in the run and is {cfg.get(key)!r} from now on", file=sys.stderr)
+    if (str(cfg.get("learning_rate")).startswith(LINEAR_PREFIX) and "n_timesteps" in saved
+            and cfg.get("n_timesteps") != saved["n_timesteps"]):
+        print(f"note: the learning rate {cfg['learning_rate']} anneals to 0 at {cfg['n_timesteps']:,} env steps from "
+              f"now on, not at the run's {saved['n_timesteps']:,}: its rate jumps at the resume", file=sys.stderr)
     if changed:
         if "learning_rate" in saved and cfg.get("learning_rate") != saved["learning_rate"]:
             changed.append(f"  (a config's memory_learning_rate gives some memories a rate of their own: "

@@ -76,9 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-steps", type=int, default=None, help="steps per env per rollout")
     p.add_argument("--n-minibatches", type=int, default=None)
     p.add_argument("--n-epochs", type=int, default=None)
-    p.add_argument("--learning-rate", type=float, default=None,
+    p.add_argument("--learning-rate", default=None,
                    help="PPO's learning rate (learning_rate), for every memory: it replaces the config's "
-                        "memory_learning_rate too")
+                        "memory_learning_rate too; lin_<rate> anneals it linearly from <rate> to 0 over the run")
     p.add_argument("--distribution-mode", default=None,
                    help="procgen only: easy, hard, memory, ... (valid modes depend on the game)")
     p.add_argument("--num-levels", type=int, default=None, help="procgen only")

@@ -652,12 +652,30 @@ def test_a_memory_learning_rate_is_that_memory_s_alone(tmp_path, monkeypatch):
     assert resolved("--memory", "lstm", "--config", str(sweep))["learning_rate"] == 2.5e-3
     sweep.write_text("popgym:\n  memory_learning_rate: {gru: 3.0e-4}\n")
     assert [resolved("--memory", m, "--config", str(sweep))["learning_rate"] for m in ("gru", "lstm")] == [3e-4, 1e-3]
+    # RL Zoo's linear schedules, in a memory's table and as a flag, resolved to one spelling
+    sweep.write_text("popgym:\n  memory_learning_rate: {gru: lin_3.0e-4}\n")
+    assert resolved("--memory", "gru", "--config", str(sweep))["learning_rate"] == "lin_0.0003"
+    assert resolved("--memory", "lstm", "--learning-rate", "lin_2e-4")["learning_rate"] == "lin_0.0002"
+
+
+def test_a_linear_learning_rate_is_sb3_s_linear_schedule_to_zero():
+    from rlseq.build import ppo_kwargs
+
+    base = {"n_steps": 8, "n_epochs": 1, "gamma": 0.99, "gae_lambda": 0.95, "ent_coef": 0.0, "vf_coef": 0.5,
+            "clip_range": 0.2, "max_grad_norm": 0.5, "seed": 0}
+    schedule = ppo_kwargs({**base, "learning_rate": "lin_0.0005"}, "cpu")["learning_rate"]
+    assert [schedule(p) for p in (1.0, 0.5, 0.0)] == pytest.approx([5e-4, 2.5e-4, 0.0])
+    assert schedule(-0.01) == 0.0  # the last rollout overshoots the budget: the rate stays at 0, never below
+    assert ppo_kwargs({**base, "learning_rate": 5e-4}, "cpu")["learning_rate"] == 5e-4
 
 
 @pytest.mark.parametrize("table,message", [
     ({"lstn": 1e-3}, "memory_learning_rate key 'lstn' in {path} is not a memory; did you mean lstm? valid memories: "
                      "efla, deltanet, gru, lstm, none"),
-    ({"lstm": -1.0}, "memory_learning_rate lstm -1.0 must be > 0 ({path})"),
+    ({"lstm": -1.0}, "memory_learning_rate lstm -1.0 must be > 0, or lin_<rate> for a linear schedule to 0 (e.g. "
+                     "lin_5e-4) ({path})"),
+    ({"lstm": "lin_fast"}, "memory_learning_rate lstm 'lin_fast' must be a number after 'lin_' (a linear schedule "
+                           "from that rate to 0, e.g. lin_5e-4) ({path})"),
     (1e-3, "memory_learning_rate in {path} must map a memory"),
 ])
 def test_a_bad_memory_learning_rate_is_one_error_line(table, message, tmp_path, capsys, monkeypatch):

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import shutil
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import yaml
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.logger import configure
@@ -836,6 +838,35 @@ def test_the_trainer_takes_one_torch_thread_unless_asked_and_ends_with_the_retur
     with pytest.raises(SystemExit) as e:
         train_main([*CARTPOLE, "--logdir", str(tmp_path), "--seed", "2", "--torch-threads", "0"])
     assert e.value.code == 2 and capsys.readouterr().err == "error: --torch-threads 0 must be >= 1\n"
+
+
+def test_a_linear_learning_rate_anneals_to_zero_over_the_budget_and_goes_on_from_a_resume(tmp_path, capsys):
+    """``lin_<rate>`` (RL Zoo's spelling) falls linearly with the env steps done, and a resumed run goes on down
+    the same line instead of starting at the full rate again; a resume that moves the budget says so."""
+    argv = [*CARTPOLE, "--logdir", str(tmp_path), "--learning-rate", "lin_1e-3", "--checkpoint-every", "128"]
+    run = tmp_path / "CartPole-v1" / "efla" / "seed0"
+
+    def rate(step: int, budget: int = 384) -> float:
+        # SB3 logs an update's rate with the next rollout (64 env steps here): the update after the rollout
+        # ending at step s - 64 trained at 1e-3 * (1 - (s - 64) / budget)
+        return pytest.approx(1e-3 * (1 - (step - 64) / budget), rel=1e-6)
+
+    train_main([*argv, "--total-steps", "384"])
+    assert yaml.safe_load((run / "config.yaml").read_text())["learning_rate"] == "lin_0.001"
+    rates = dict(_scalars(run, "train/learning_rate"))
+    assert sorted(rates) == [128, 192, 256, 320, 384] and all(v == rate(s) for s, v in rates.items()), rates
+    # back to the checkpoint at step 256: the resumed update trains at 1e-3 * (1 - 320 / 384), where a schedule
+    # started again over the 128 steps left would train at 1e-3 * (1 - 64 / 128)
+    (run / "final_model.zip").unlink()
+    shutil.rmtree(run / "checkpoints" / "step384")
+    (run / "checkpoints" / "latest").write_text("step256\n")
+    capsys.readouterr()
+    train_main([*argv, "--total-steps", "384", "--resume"])
+    assert "anneals to 0" not in capsys.readouterr().err
+    assert dict(_scalars(run, "train/learning_rate"))[384] == rate(384)
+    train_main([*argv, "--total-steps", "512", "--resume"])
+    assert "learning rate lin_0.001 anneals to 0 at 512 env steps from now on, not at the run's 384" \
+        in capsys.readouterr().err
 
 
 def test_resume_with_a_larger_total_steps_extends_a_finished_run(tmp_path, capsys):
