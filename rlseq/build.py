@@ -52,7 +52,8 @@ def make_env(cfg: dict[str, Any], *, seed: int, n_envs: int | None = None, train
 
 def ppo_kwargs(cfg: dict[str, Any], device: str) -> dict[str, Any]:
     """The PPO hyperparameters of a resolved config, as keyword arguments of SB3-style algorithms."""
-    return dict(learning_rate=learning_rate_schedule(cfg["learning_rate"]), n_steps=cfg["n_steps"], n_epochs=cfg["n_epochs"], gamma=cfg["gamma"],
+    return dict(learning_rate=learning_rate_schedule(cfg["learning_rate"]), n_steps=cfg["n_steps"],
+                n_epochs=cfg["n_epochs"], gamma=cfg["gamma"],
                 gae_lambda=cfg["gae_lambda"], ent_coef=cfg["ent_coef"], vf_coef=cfg["vf_coef"], clip_range=cfg["clip_range"],
                 max_grad_norm=cfg["max_grad_norm"], seed=cfg["seed"], device=device)
 

@@ -87,7 +87,8 @@ def _learning_rate(value: Any) -> float | str:
     try:
         return _real(0, above=True)(value)
     except ValueError as e:
-        raise ValueError(f"{e}, or {LINEAR_PREFIX}<rate> for a linear schedule to 0 (e.g. {LINEAR_PREFIX}5e-4)") from None
+        raise ValueError(f"{e}, or {LINEAR_PREFIX}<rate> for a linear schedule to 0 (e.g. {LINEAR_PREFIX}5e-4)") \
+            from None
 
 
 def learning_rate_schedule(value: float | str) -> float | Callable[[float], float]:

@@ -366,6 +366,25 @@ def test_results_of_another_commit_are_refused(tmp_path, monkeypatch):
                     str(out), "--logdir", str(tmp_path / "runs")])
 
 
+def test_runs_with_other_settings_than_the_out_s_results_are_refused(tmp_path):
+    """An ablation (--config) or other PPO flags into an --out whose tasks hold results of the defaults: refused,
+    as another budget is; tasks without results there, and the same settings again, are not."""
+    out = tmp_path / "out"
+    _result(out, T1, "efla", 0, 0.5)
+    _invocation(out, "2030-01-01 00:00", "CPU A")  # the defaults: no settings recorded
+    ablation = tmp_path / "gated.yml"
+    ablation.write_text("popgym:\n  memory_kwargs: {efla: {join: gated}}\n")
+    base = ["memory", "--variants", "efla", "--seeds", "0", "--steps", "1000", "--out", str(out), "--logdir",
+            str(tmp_path / "runs"), "--dry-run"]
+    for flags, label in ((["--config", str(ablation)], "--config [0-9a-f]{8}"), (["--n-envs", "4"], "--n-envs 4")):
+        with pytest.raises(SystemExit, match=f"holds runs of 1 task.*other settings.*\\n  {T1}: defaults "
+                                             f"\\(started 2030-01-01 00:00\\), here {label}"):
+            bench_main([*base, "--tasks", T1, *flags])
+        bench_main([*base, "--tasks", T2, *flags])  # no results of T2 there
+    bench_main([*base, "--tasks", T1])  # the same settings: fine
+    assert M.invocation_settings({"config": "x"}) == M.invocation_settings({"settings": {"config": "x"}})
+
+
 def _invocation(out: Path, started: str, cpu: str, wall_s: float | None = 60.0) -> None:
     manifest = R.read_manifest(out)
     manifest["invocations"].append({"command": "python -m rlseq.bench memory --tasks T", "started": started,
@@ -424,7 +443,7 @@ def test_another_machines_runs_merge_in_and_runs_already_there_keep_their_result
     assert (out / R.MANIFEST).read_text() == before and not R.report_path(out).exists()
 
 
-@pytest.mark.parametrize("what", ["commit", "steps", "invocation"])
+@pytest.mark.parametrize("what", ["commit", "steps", "invocation", "settings"])
 def test_a_merge_that_would_mix_commits_or_budgets_in_a_task_writes_nothing(tmp_path, what):
     out, other = tmp_path / "out", tmp_path / "other"
     _result(out, T1, "efla", 0, 0.9)
@@ -440,13 +459,25 @@ def test_a_merge_that_would_mix_commits_or_budgets_in_a_task_writes_nothing(tmp_
         manifest = R.read_manifest(other)
         manifest["invocations"][0]["grid"]["steps"][T1] = 5000
         (other / R.MANIFEST).write_text(json.dumps(manifest))
+    if what == "settings":  # an ablation's runs of T1 (its --config) into a grid of the defaults
+        _invocation(out, "2030-01-01 00:00", "CPU A")
+        _invocation(other, "2030-01-01 00:05", "CPU B")
+        manifest = R.read_manifest(other)
+        manifest["invocations"][0]["settings"] = {"config": "popgym:\n  memory_kwargs: {efla: {join: gated}}\n",
+                                                  "n_envs": 4}
+        (other / R.MANIFEST).write_text(json.dumps(manifest))
     expected = {"commit": "commits abc .*, def", "steps": "budgets 1000 .*, 2000",
-                "invocation": "budgets 1000 .*, 5000 .*started 2030-01-01 00:05"}[what]
-    with pytest.raises(SystemExit, match=f"would mix rlseq commits or env-step budgets in 1 task.*\\n  {T1}: "
-                                         f"{expected}"):
+                "invocation": "budgets 1000 .*, 5000 .*started 2030-01-01 00:05",
+                "settings": "settings defaults .*started 2030-01-01 00:00.*, --n-envs 4, --config [0-9a-f]{8} "
+                            ".*started 2030-01-01 00:05"}[what]
+    # the settings' invocations name both tasks, so T2's result is refused too: it would join a task whose
+    # invocations are the defaults'
+    tasks = 2 if what == "settings" else 1
+    with pytest.raises(SystemExit, match=f"(?s)would mix rlseq commits, env-step budgets or settings in {tasks} "
+                                         f"task.*\\n  {T1}: {expected}"):
         bench_main(["memory", "--merge", str(other), "--out", str(out)])
     assert sorted(p.name for p in (out / "results").rglob("*.json")) == ["seed0.json"]
-    assert not (out / R.MANIFEST).exists()
+    assert (out / R.MANIFEST).exists() == (what == "settings")  # there only as the test wrote it
 
 
 def test_a_merge_refuses_what_it_cannot_merge_and_writes_nothing(tmp_path):

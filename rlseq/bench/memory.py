@@ -21,8 +21,9 @@ workers run side by side.
 Resuming: the same command again skips every run with a result, only evaluates a run whose training finished,
 and continues an interrupted run from its last checkpoint (``--resume``). A run that fails is reported with the
 end of its log while the others go on; it is tried again by the next invocation. Ctrl-C stops the running
-trainers at once (they keep their last checkpoint). Results made with another budget, or at another rlseq
-commit, are refused, so that no task mixes budgets or commits: choose another ``--out`` (and ``--logdir``).
+trainers at once (they keep their last checkpoint). Results made with another budget, at another rlseq commit
+or with other settings (``--n-envs``, ``--n-steps``, ``--n-minibatches``, ``--config``) are refused, so that no task
+mixes them: choose another ``--out`` (and ``--logdir``).
 
 Several machines: each runs its share of the grid into an ``--out`` of its own, at the same commit; ``--merge DIR
 ...`` then adds their finished runs (and the invocations that made them) to one ``--out`` (not while a benchmark
@@ -69,6 +70,8 @@ TASK_STEPS: dict[str, int] = {**dict.fromkeys(HORIZON_TASKS[:2], 200_000),
                               **dict.fromkeys((*HORIZON_TASKS[2:], *LONG_TASKS), 500_000)}
 SEEDS = (0, 1, 2, 3, 4)
 EPISODES = 64
+# the flags that change how every run of an invocation trains (besides --steps, its budget, and --config)
+PPO_FLAGS = ("n_envs", "n_steps", "n_minibatches")
 REPEAT_S = 0.5  # the same stop signal again this soon is one stop delivered twice (StopSignals)
 # the control suffix: the same memory with conv_size 1, so that the window's share of a result shows
 NO_WINDOW = "-conv1"
@@ -204,7 +207,8 @@ def merge(out: Path, sources: list[Path]) -> dict[str, Any]:
     result in both; a failure record in ``out`` of a run merged in is removed, as a finished run removes its own.
 
     Refused, with nothing written, when a task of the merged runs would then hold results or invocations of more
-    than one env-step budget, or results of more than one rlseq commit; when a source is ``out`` itself or has no
+    than one env-step budget, invocations of more than one setting (:func:`invocation_settings`), or results of
+    more than one rlseq commit; when a source is ``out`` itself or has no
     results folder; or when a result file is unreadable. Not while a benchmark writes to ``out``: both rewrite its
     manifest. Returns ``{"merged": [names], "kept": [names], "invocations": n, "updated": n, "no_manifest":
     [sources]}``."""
@@ -236,7 +240,7 @@ def merge(out: Path, sources: list[Path]) -> dict[str, Any]:
     tasks = {doc["task"] for _, doc in incoming.values()}
     manifests = {src: read_manifest(src) for src in sources}
     # task -> "commit" or "steps" -> value -> where it was seen
-    seen: dict[str, dict[str, dict[Any, str]]] = {t: {"commit": {}, "steps": {}} for t in tasks}
+    seen: dict[str, dict[str, dict[Any, str]]] = {t: {"commit": {}, "steps": {}, "settings": {}} for t in tasks}
     for path, doc in [*_finished_results(out), *incoming.values()]:
         if doc["task"] in tasks:
             by = seen[doc["task"]]
@@ -244,15 +248,18 @@ def merge(out: Path, sources: list[Path]) -> dict[str, Any]:
             by["steps"].setdefault(int(doc["steps"]), str(path))
     for folder, manifest in [(out, read_manifest(out)), *manifests.items()]:
         for inv in manifest["invocations"]:
+            where = f"{folder / MANIFEST}, started {inv.get('started')}"
             for task, steps in (inv.get("grid") or {}).get("steps", {}).items():
                 if task in tasks:
-                    seen[task]["steps"].setdefault(int(steps), f"{folder / MANIFEST}, started {inv.get('started')}")
-    label = {"commit": "commits", "steps": "budgets"}
+                    seen[task]["steps"].setdefault(int(steps), where)
+                    seen[task]["settings"].setdefault(invocation_settings(inv), where)
+    label = {"commit": "commits", "steps": "budgets", "settings": "settings"}
     mixed = [f"{task}: {label[what]} {', '.join(f'{v} ({where})' for v, where in values.items())}"
              for task, by in sorted(seen.items()) for what, values in by.items() if len(values) > 1]
     if mixed:
-        raise SystemExit(f"error: merging would mix rlseq commits or env-step budgets in {len(mixed)} task(s), and "
-                         f"a table's rows come from one commit and one budget; nothing was merged:\n  {listed(mixed)}")
+        raise SystemExit(f"error: merging would mix rlseq commits, env-step budgets or settings in {len(mixed)} "
+                         f"task(s), and a table's rows come from one commit, one budget and one setting; nothing was "
+                         f"merged:\n  {listed(mixed)}")
     for path, doc in incoming.values():
         paths = run_paths(out, doc["task"], doc["variant"], doc["seed"])
         curve = path.with_suffix(".csv")
@@ -342,6 +349,35 @@ def budget_conflicts(runs: list[BenchRun], out: Path, logdir: Path) -> list[str]
             if had != r.steps:
                 bad.append(f"{r.name}: run folder of {had:,} steps in {cfg.parent}")
     return bad
+
+
+def invocation_settings(inv: dict[str, Any]) -> str:
+    """How an invocation's runs train, beyond the budget, as a short label: ``defaults``, or the PPO flags it gave
+    and its ``--config`` file (by the first 8 hex digits of the text's SHA-1). An invocation recorded without
+    ``settings`` is read from its ``config`` (the file's text) alone."""
+    import hashlib
+
+    given = dict(inv.get("settings") or {})
+    text = given.pop("config", inv.get("config"))
+    parts = [f"--{k.replace('_', '-')} {v}" for k, v in sorted(given.items())]
+    if text is not None:
+        parts.append(f"--config {hashlib.sha1(text.encode()).hexdigest()[:8]}")
+    return ", ".join(parts) or "defaults"
+
+
+def settings_conflicts(out: Path, tasks: list[str], settings: dict[str, Any]) -> list[str]:
+    """Tasks among ``tasks`` with results in ``out`` that an earlier invocation made with other settings
+    (:func:`invocation_settings`) than ``settings``: a table's rows are to differ in the variant alone."""
+    ours = invocation_settings({"settings": settings})
+    with_results = {t for t in tasks if any((out / "results" / t).rglob("seed*.json"))} if (out / "results").is_dir() \
+        else set()
+    bad = []
+    for inv in read_manifest(out)["invocations"]:
+        theirs = invocation_settings(inv)
+        for task in sorted(with_results & set((inv.get("grid") or {}).get("tasks", []))):
+            if theirs != ours:
+                bad.append(f"{task}: {theirs} (started {inv.get('started')}), here {ours}")
+    return list(dict.fromkeys(bad))
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -739,15 +775,18 @@ def resolve_grid(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit(f"unknown variant(s) {', '.join(unknown)}; valid: {', '.join(known)}")
     steps = {t: args.steps or (QUICK["steps"] if quick else TASK_STEPS.get(t, DEFAULT_STEPS)) for t in tasks}
     out = Path(args.out or (QUICK_OUT if quick else DEFAULT_OUT))
-    extra = [x for flag in ("n_envs", "n_steps", "n_minibatches") if getattr(args, flag) is not None
+    extra = [x for flag in PPO_FLAGS if getattr(args, flag) is not None
              for x in (f"--{flag.replace('_', '-')}", str(getattr(args, flag)))]
+    settings = {flag: getattr(args, flag) for flag in PPO_FLAGS if getattr(args, flag) is not None}
     if getattr(args, "config", None):
         if not Path(args.config).is_file():
             raise SystemExit(f"error: --config {args.config}: no such file")
         extra += ["--config", str(Path(args.config).resolve())]
+        settings["config"] = Path(args.config).read_text()
     return {"tasks": tasks, "variants": wanted, "seeds": list(args.seeds or (QUICK["seeds"] if quick else SEEDS)),
             "steps": steps, "episodes": args.episodes or EPISODES, "jobs": args.jobs or os.cpu_count() or 1,
-            "out": out, "logdir": Path(args.logdir or Path("runs") / out.name), "extra": extra}
+            "out": out, "logdir": Path(args.logdir or Path("runs") / out.name), "extra": extra,
+            "settings": settings}
 
 
 def command(args: argparse.Namespace, g: dict[str, Any]) -> str:
@@ -812,6 +851,11 @@ def main(args: argparse.Namespace) -> None:
     if conflicts:
         raise SystemExit(f"error: {len(conflicts)} run(s) were made with another budget; choose another --out and "
                          f"--logdir, or remove them:\n  {listed(conflicts)}")
+    mixed = settings_conflicts(out, g["tasks"], g["settings"])
+    if mixed:
+        raise SystemExit(f"error: {out} holds runs of {len(mixed)} task(s) made with other settings than these, and a "
+                         f"table's rows are to differ in the variant alone: choose another --out and --logdir, or "
+                         f"give the same settings:\n  {listed(mixed)}")
     todo = [r for r in runs if not is_done(r, out)]
     if args.dry_run:
         for r in runs:
@@ -852,6 +896,7 @@ def main(args: argparse.Namespace) -> None:
             "cpu": cpu_model(), "cores": os.cpu_count(), "wall_s": None, "runs": len(todo),
             "grid": {"tasks": g["tasks"], "variants": g["variants"], "seeds": g["seeds"], "steps": g["steps"],
                      "episodes": g["episodes"]},
+            "settings": g["settings"],
             **({"config": Path(args.config).read_text()} if getattr(args, "config", None) else {})})
         try:
             answers = execute(runs, out, logdir, jobs=g["jobs"], episodes=g["episodes"], device=args.device,

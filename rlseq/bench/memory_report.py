@@ -653,7 +653,8 @@ def _fair_block_section(summary: pd.DataFrame, tasks: list[str]) -> list[str]:
     anchors = checks[checks["check"] == "anchor"]
     if len(anchors):
         pairs = list(dict.fromkeys(zip(anchors["subject"], anchors["against"])))
-        lines += [f"rlseq's {' and '.join(RNN_BASELINES)} against sb3-contrib's own LSTM (the anchors): IQM vs IQM.", "",
+        rnns = " and ".join(RNN_BASELINES)
+        lines += [f"rlseq's {rnns} against sb3-contrib's own LSTM (the anchors): IQM vs IQM.", "",
                   "| task | " + " | ".join(f"{a} vs {b}" for a, b in pairs) + " |", "|---|" + "---|" * len(pairs)]
         for t in tasks:
             if any((t, "anchor", a, b) in at for a, b in pairs):
