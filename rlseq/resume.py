@@ -69,10 +69,15 @@ def refuse_changed_settings(cfg: dict[str, Any], folder: Path, checkpoint: Path)
     for key in RESUME_STATED_KEYS:
         if key in saved and cfg.get(key) != saved[key]:
             print(f"note: {key} was {saved[key]!r} in the run and is {cfg.get(key)!r} from now on", file=sys.stderr)
-    if (str(cfg.get("learning_rate")).startswith(LINEAR_PREFIX) and "n_timesteps" in saved
-            and cfg.get("n_timesteps") != saved["n_timesteps"]):
+    # the budget the checkpoint trained towards: config.yaml is rewritten with a resume's --total-steps before
+    # its first checkpoint, so after a resume killed early it no longer says which line the rate was on
+    trained = checkpoint / "config.yaml"
+    budget = (yaml.safe_load(trained.read_text()) or {}).get("n_timesteps") if trained.exists() else None
+    budget = saved.get("n_timesteps") if budget is None else budget
+    if str(cfg.get("learning_rate")).startswith(LINEAR_PREFIX) and budget is not None \
+            and cfg.get("n_timesteps") != budget:
         print(f"note: the learning rate {cfg['learning_rate']} anneals to 0 at {cfg['n_timesteps']:,} env steps from "
-              f"now on, not at the run's {saved['n_timesteps']:,}: its rate jumps at the resume", file=sys.stderr)
+              f"now on, not at the {budget:,} it was annealing to: its rate jumps at the resume", file=sys.stderr)
     if changed:
         if "learning_rate" in saved and cfg.get("learning_rate") != saved["learning_rate"]:
             changed.append(f"  (a config's memory_learning_rate gives some memories a rate of their own: "

@@ -65,7 +65,9 @@ def test_the_verdicts_name_the_best_its_overlaps_and_what_is_at_or_below_none():
     assert v["none_iqm"] == -0.3 and v["at_or_below_none"] == ["lstm", "sb3-lstm"]
 
 
-def test_the_fair_block_checks_hold_rnns_to_the_anchors_and_efla_to_the_best_baseline():
+def test_the_fair_block_checks_hold_rnns_to_the_anchors_and_efla_to_every_baseline():
+    T3 = "popgym-CountRecallEasy-v0"
+
     def row(task, variant, n, iqm, lo, hi):
         return {"task": task, "variant": variant, "n": n, "iqm": iqm, "ci_low": lo, "ci_high": hi}
 
@@ -73,24 +75,30 @@ def test_the_fair_block_checks_hold_rnns_to_the_anchors_and_efla_to_the_best_bas
         row(T1, "efla", 5, 0.70, 0.60, 0.80), row(T1, "gru", 5, 0.85, 0.81, 0.90),
         row(T1, "lstm", 5, 0.20, 0.10, 0.30), row(T1, "sb3-lstm", 5, 0.50, 0.35, 0.62),
         row(T1, "sb3-lstm-shared", 1, 0.30, math.nan, math.nan), row(T1, "none", 5, -0.5, -0.6, -0.4),
-        # T2: no anchor yet; EFLA's CI reaches DeltaNet's, the best there, by the smallest margin
+        # T2: no anchor yet; EFLA's CI reaches DeltaNet's, the strongest there, by the smallest margin
         row(T2, "efla", 5, 0.40, 0.30, 0.50), row(T2, "deltanet", 5, 0.60, 0.50, 0.70),
         row(T2, "gru", 5, 0.55, 0.45, 0.65), row(T2, "efla-conv1", 5, 0.90, 0.85, 0.95),
+        # T3: the GRU has the highest IQM, but the LSTM's CI lies higher, and EFLA's wholly below the LSTM's
+        row(T3, "efla", 5, 0.55, 0.50, 0.60), row(T3, "gru", 5, 0.80, 0.30, 0.95),
+        row(T3, "lstm", 5, 0.79, 0.78, 0.80),
     ])
     checks = R.fair_block_checks(summary)
     by = {(r.task, r.check, r.subject, r.against): r for r in checks.itertuples()}
     assert set(by) == {(T1, "anchor", "gru", "sb3-lstm"), (T1, "anchor", "gru", "sb3-lstm-shared"),
                        (T1, "anchor", "lstm", "sb3-lstm"), (T1, "anchor", "lstm", "sb3-lstm-shared"),
-                       (T1, "reference", "efla", "gru"), (T2, "reference", "efla", "deltanet")}
+                       (T1, "reference", "efla", "gru"), (T2, "reference", "efla", "deltanet"),
+                       (T3, "reference", "efla", "lstm")}
     assert by[T1, "anchor", "gru", "sb3-lstm"].holds
     assert not by[T1, "anchor", "lstm", "sb3-lstm"].holds                 # 0.30 < 0.35
     assert by[T1, "anchor", "lstm", "sb3-lstm"].gap == pytest.approx(0.05)
     assert by[T1, "anchor", "lstm", "sb3-lstm-shared"].holds              # one seed: a point, 0.30 <= 0.30
     assert not by[T1, "reference", "efla", "gru"].holds                   # 0.80 < 0.81
     assert by[T2, "reference", "efla", "deltanet"].holds                  # 0.50 >= 0.50; controls are no rivals
-    section = "\n".join(R._fair_block_section(summary, [T1, T2]))
+    assert not by[T3, "reference", "efla", "lstm"].holds                  # 0.60 < 0.78, though 0.60 >= the GRU's 0.30
+    section = "\n".join(R._fair_block_section(summary, [T1, T2, T3]))
     assert f"Below an anchor: {R.short_task(T1)} (lstm vs sb3-lstm)." in section
-    assert f"efla below the best baseline: {R.short_task(T1)} (efla vs gru)." in section
+    assert f"efla below a baseline: {R.short_task(T1)} (efla vs gru), {R.short_task(T3)} (efla vs lstm)." in section
+    assert R.short_task(T3) not in "\n".join(R._fair_block_section(summary, [T1, T2]))  # the report's tasks only
     assert R._fair_block_section(summary[summary["variant"] == "none"], [T1]) == []
 
 
@@ -201,6 +209,7 @@ def test_greedy_returns_get_their_own_table_from_the_results_that_have_them(tmp_
     text = R.write_report(out).read_text()
     section = text.split("## Final evaluation return, greedy actions")[1].split("\n## ")[0]
     assert "2 of 10 results have it" in section
+    assert "new episodes (sampled actions, env seeds unlike training; the same again with greedy actions)" in text
     assert "| RepeatPreviousEasy | -0.50 | 0.95 [0.90, 1.00] | – | – |" in section
     assert R.short_task(T2) not in section
     # the headline table keeps the sampled returns
@@ -366,23 +375,31 @@ def test_results_of_another_commit_are_refused(tmp_path, monkeypatch):
                     str(out), "--logdir", str(tmp_path / "runs")])
 
 
-def test_runs_with_other_settings_than_the_out_s_results_are_refused(tmp_path):
-    """An ablation (--config) or other PPO flags into an --out whose tasks hold results of the defaults: refused,
-    as another budget is; tasks without results there, and the same settings again, are not."""
+def test_runs_with_other_settings_than_a_variant_s_results_are_refused(tmp_path):
+    """An ablation (--config) or other PPO flags for a variant whose results in --out were made with the defaults:
+    refused, as another budget is; the same command again, other variants and tasks, results that record no
+    settings and failed runs are not."""
     out = tmp_path / "out"
+    run = M.BenchRun(T1, "efla", 0, 1000)
     _result(out, T1, "efla", 0, 0.5)
-    _invocation(out, "2030-01-01 00:00", "CPU A")  # the defaults: no settings recorded
+    path = R.run_paths(out, T1, "efla", 0)["result"]
+    path.write_text(json.dumps({**json.loads(path.read_text()), "settings": M.planned_settings(run, [])}))
+    _result(out, T1, "none", 0, 0.5)  # recorded before results had settings: never compared
+    _failure(out, T2, "efla", 0)
+    _invocation(out, "2030-01-01 00:00", "CPU A")
     ablation = tmp_path / "gated.yml"
     ablation.write_text("popgym:\n  memory_kwargs: {efla: {join: gated}}\n")
-    base = ["memory", "--variants", "efla", "--seeds", "0", "--steps", "1000", "--out", str(out), "--logdir",
-            str(tmp_path / "runs"), "--dry-run"]
-    for flags, label in ((["--config", str(ablation)], "--config [0-9a-f]{8}"), (["--n-envs", "4"], "--n-envs 4")):
-        with pytest.raises(SystemExit, match=f"holds runs of 1 task.*other settings.*\\n  {T1}: defaults "
-                                             f"\\(started 2030-01-01 00:00\\), here {label}"):
-            bench_main([*base, "--tasks", T1, *flags])
-        bench_main([*base, "--tasks", T2, *flags])  # no results of T2 there
-    bench_main([*base, "--tasks", T1])  # the same settings: fine
-    assert M.invocation_settings({"config": "x"}) == M.invocation_settings({"settings": {"config": "x"}})
+    base = ["memory", "--seeds", "0", "--steps", "1000", "--out", str(out), "--logdir", str(tmp_path / "runs"),
+            "--dry-run"]
+    for flags in (["--config", str(ablation)], ["--n-envs", "4"]):
+        with pytest.raises(SystemExit, match=f"other training settings .* for 1 task and variant pair.*\\n  "
+                                             f"{T1}/efla: results made with settings [0-9a-f]{{12}} .*; these runs: "
+                                             f"[0-9a-f]{{12}}$"):
+            bench_main([*base, "--tasks", T1, "--variants", "efla", "none", *flags])
+        bench_main([*base, "--tasks", T1, "--variants", "none", "gru", *flags])  # no settings recorded / no results
+        bench_main([*base, "--tasks", T2, "--variants", "efla", *flags])  # a failure record alone
+    bench_main([*base, "--tasks", T1, "--variants", "efla"])  # the same settings as its result: fine
+    assert M.planned_settings(run, ["--n-envs", "8"]) == M.planned_settings(run, [])  # popgym.yml's n_envs: the same
 
 
 def _invocation(out: Path, started: str, cpu: str, wall_s: float | None = 60.0) -> None:
@@ -459,25 +476,23 @@ def test_a_merge_that_would_mix_commits_or_budgets_in_a_task_writes_nothing(tmp_
         manifest = R.read_manifest(other)
         manifest["invocations"][0]["grid"]["steps"][T1] = 5000
         (other / R.MANIFEST).write_text(json.dumps(manifest))
-    if what == "settings":  # an ablation's runs of T1 (its --config) into a grid of the defaults
-        _invocation(out, "2030-01-01 00:00", "CPU A")
-        _invocation(other, "2030-01-01 00:05", "CPU B")
-        manifest = R.read_manifest(other)
-        manifest["invocations"][0]["settings"] = {"config": "popgym:\n  memory_kwargs: {efla: {join: gated}}\n",
-                                                  "n_envs": 4}
-        (other / R.MANIFEST).write_text(json.dumps(manifest))
+    if what == "settings":  # an ablation's seed of T1's efla into the defaults' results; its none is another
+        for folder, seed, digest in ((out, 0, "aaaaaaaaaaaa"), (other, 1, "bbbbbbbbbbbb")):  # variant: no conflict
+            if folder == other:
+                _result(folder, T1, "efla", seed, 0.5)
+            path = R.run_paths(folder, T1, "efla", seed)["result"]
+            path.write_text(json.dumps({**json.loads(path.read_text()), "settings": digest}))
+        path = R.run_paths(other, T1, "none", 0)["result"]
+        path.write_text(json.dumps({**json.loads(path.read_text()), "settings": "cccccccccccc"}))
     expected = {"commit": "commits abc .*, def", "steps": "budgets 1000 .*, 2000",
                 "invocation": "budgets 1000 .*, 5000 .*started 2030-01-01 00:05",
-                "settings": "settings defaults .*started 2030-01-01 00:00.*, --n-envs 4, --config [0-9a-f]{8} "
-                            ".*started 2030-01-01 00:05"}[what]
-    # the settings' invocations name both tasks, so T2's result is refused too: it would join a task whose
-    # invocations are the defaults'
-    tasks = 2 if what == "settings" else 1
-    with pytest.raises(SystemExit, match=f"(?s)would mix rlseq commits, env-step budgets or settings in {tasks} "
-                                         f"task.*\\n  {T1}: {expected}"):
+                "settings": "settings aaaaaaaaaaaa .*, bbbbbbbbbbbb "}[what]
+    where = f"{T1}/efla" if what == "settings" else T1
+    with pytest.raises(SystemExit, match=f"would mix rlseq commits, env-step budgets or training settings in 1 "
+                                         f"task.*\\n  {where}: {expected}"):
         bench_main(["memory", "--merge", str(other), "--out", str(out)])
     assert sorted(p.name for p in (out / "results").rglob("*.json")) == ["seed0.json"]
-    assert (out / R.MANIFEST).exists() == (what == "settings")  # there only as the test wrote it
+    assert not (out / R.MANIFEST).exists()
 
 
 def test_a_merge_refuses_what_it_cannot_merge_and_writes_nothing(tmp_path):
@@ -672,6 +687,9 @@ def test_a_tiny_slice_end_to_end(tmp_path, capsys):
         doc = json.loads(R.run_paths(out, T1, variant, 0)["result"].read_text())
         assert doc["episodes"] == 8 and -1.0 <= doc["eval_mean"] <= 1.0 and doc["env_steps_per_s"] > 0
         assert -1.0 <= doc["eval_greedy_mean"] <= 1.0 and doc["eval_greedy_std"] >= 0.0
+        # what the grid checks before training is what the run trained with
+        extra = ["--n-envs", "4", "--n-steps", "32", "--n-minibatches", "2"]
+        assert doc["settings"] == M.planned_settings(M.BenchRun(T1, variant, 0, 512), extra)
         assert doc["config"]["n_envs"] == 4 and doc["versions"]["popgym"]
         curve = pd.read_csv(R.run_paths(out, T1, variant, 0)["curve"])
         assert list(curve.columns) == ["step", "ep_rew_mean"] and curve["step"].max() == 512

@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import re
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-import shutil
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -865,8 +865,15 @@ def test_a_linear_learning_rate_anneals_to_zero_over_the_budget_and_goes_on_from
     assert "anneals to 0" not in capsys.readouterr().err
     assert dict(_scalars(run, "train/learning_rate"))[384] == rate(384)
     train_main([*argv, "--total-steps", "512", "--resume"])
-    assert "learning rate lin_0.001 anneals to 0 at 512 env steps from now on, not at the run's 384" \
+    assert "learning rate lin_0.001 anneals to 0 at 512 env steps from now on, not at the 384 it was annealing to" \
         in capsys.readouterr().err
+    # a resume with another budget that left no checkpoint of its own: its config.yaml says 1024, the checkpoint
+    # it goes on from trained towards 512
+    settings = yaml.safe_load((run / "config.yaml").read_text())
+    (run / "config.yaml").write_text(yaml.safe_dump({**settings, "n_timesteps": 1024}))
+    (run / "final_model.zip").unlink()
+    train_main([*argv, "--total-steps", "1024", "--resume"])
+    assert "anneals to 0 at 1,024 env steps from now on, not at the 512 it was annealing to" in capsys.readouterr().err
 
 
 def test_resume_with_a_larger_total_steps_extends_a_finished_run(tmp_path, capsys):

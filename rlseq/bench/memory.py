@@ -21,9 +21,10 @@ workers run side by side.
 Resuming: the same command again skips every run with a result, only evaluates a run whose training finished,
 and continues an interrupted run from its last checkpoint (``--resume``). A run that fails is reported with the
 end of its log while the others go on; it is tried again by the next invocation. Ctrl-C stops the running
-trainers at once (they keep their last checkpoint). Results made with another budget, at another rlseq commit
-or with other settings (``--n-envs``, ``--n-steps``, ``--n-minibatches``, ``--config``) are refused, so that no task
-mixes them: choose another ``--out`` (and ``--logdir``).
+trainers at once (they keep their last checkpoint). Results made with another budget or at another rlseq commit
+are refused, so that no task mixes them, and so are a variant's results made with other training settings
+(``--config``, ``--n-envs``, ``--n-steps``, ``--n-minibatches``; each result records a digest of its settings):
+choose another ``--out`` (and ``--logdir``).
 
 Several machines: each runs its share of the grid into an ``--out`` of its own, at the same commit; ``--merge DIR
 ...`` then adds their finished runs (and the invocations that made them) to one ``--out`` (not while a benchmark
@@ -72,6 +73,7 @@ SEEDS = (0, 1, 2, 3, 4)
 EPISODES = 64
 # the flags that change how every run of an invocation trains (besides --steps, its budget, and --config)
 PPO_FLAGS = ("n_envs", "n_steps", "n_minibatches")
+SETTINGS_FREE_KEYS = ("seed", "tag")  # a run's name, not how it trains (settings_digest)
 REPEAT_S = 0.5  # the same stop signal again this soon is one stop delivered twice (StopSignals)
 # the control suffix: the same memory with conv_size 1, so that the window's share of a result shows
 NO_WINDOW = "-conv1"
@@ -207,8 +209,8 @@ def merge(out: Path, sources: list[Path]) -> dict[str, Any]:
     result in both; a failure record in ``out`` of a run merged in is removed, as a finished run removes its own.
 
     Refused, with nothing written, when a task of the merged runs would then hold results or invocations of more
-    than one env-step budget, invocations of more than one setting (:func:`invocation_settings`), or results of
-    more than one rlseq commit; when a source is ``out`` itself or has no
+    than one env-step budget, or results of more than one rlseq commit, or a variant's results of more than one
+    training setting (:func:`settings_digest`, where they record it); when a source is ``out`` itself or has no
     results folder; or when a result file is unreadable. Not while a benchmark writes to ``out``: both rewrite its
     manifest. Returns ``{"merged": [names], "kept": [names], "invocations": n, "updated": n, "no_manifest":
     [sources]}``."""
@@ -240,26 +242,27 @@ def merge(out: Path, sources: list[Path]) -> dict[str, Any]:
     tasks = {doc["task"] for _, doc in incoming.values()}
     manifests = {src: read_manifest(src) for src in sources}
     # task -> "commit" or "steps" -> value -> where it was seen
-    seen: dict[str, dict[str, dict[Any, str]]] = {t: {"commit": {}, "steps": {}, "settings": {}} for t in tasks}
+    seen: dict[str, dict[str, dict[Any, str]]] = {t: {"commit": {}, "steps": {}} for t in tasks}
     for path, doc in [*_finished_results(out), *incoming.values()]:
         if doc["task"] in tasks:
             by = seen[doc["task"]]
             by["commit"].setdefault((doc.get("versions") or {}).get("rlseq", "unknown"), str(path))
             by["steps"].setdefault(int(doc["steps"]), str(path))
+            if "settings" in doc:  # per variant: the variants' settings differ (their learning rates, say)
+                key = f"{doc['task']}/{doc['variant']}"
+                seen.setdefault(key, {"settings": {}})["settings"].setdefault(doc["settings"], str(path))
     for folder, manifest in [(out, read_manifest(out)), *manifests.items()]:
         for inv in manifest["invocations"]:
-            where = f"{folder / MANIFEST}, started {inv.get('started')}"
             for task, steps in (inv.get("grid") or {}).get("steps", {}).items():
                 if task in tasks:
-                    seen[task]["steps"].setdefault(int(steps), where)
-                    seen[task]["settings"].setdefault(invocation_settings(inv), where)
+                    seen[task]["steps"].setdefault(int(steps), f"{folder / MANIFEST}, started {inv.get('started')}")
     label = {"commit": "commits", "steps": "budgets", "settings": "settings"}
     mixed = [f"{task}: {label[what]} {', '.join(f'{v} ({where})' for v, where in values.items())}"
              for task, by in sorted(seen.items()) for what, values in by.items() if len(values) > 1]
     if mixed:
-        raise SystemExit(f"error: merging would mix rlseq commits, env-step budgets or settings in {len(mixed)} "
-                         f"task(s), and a table's rows come from one commit, one budget and one setting; nothing was "
-                         f"merged:\n  {listed(mixed)}")
+        raise SystemExit(f"error: merging would mix rlseq commits, env-step budgets or training settings in "
+                         f"{len(mixed)} task(s) or variant(s), and a table's rows come from one commit and one budget, "
+                         f"and each variant's from one setting; nothing was merged:\n  {listed(mixed)}")
     for path, doc in incoming.values():
         paths = run_paths(out, doc["task"], doc["variant"], doc["seed"])
         curve = path.with_suffix(".csv")
@@ -351,33 +354,46 @@ def budget_conflicts(runs: list[BenchRun], out: Path, logdir: Path) -> list[str]
     return bad
 
 
-def invocation_settings(inv: dict[str, Any]) -> str:
-    """How an invocation's runs train, beyond the budget, as a short label: ``defaults``, or the PPO flags it gave
-    and its ``--config`` file (by the first 8 hex digits of the text's SHA-1). An invocation recorded without
-    ``settings`` is read from its ``config`` (the file's text) alone."""
+def settings_digest(cfg: dict[str, Any]) -> str:
+    """How a run trains, as the first 12 hex digits of the SHA-1 of its resolved training config without what does
+    not change what it learns (``rlseq.resume.RESUME_FREE_KEYS``: budget, checkpoints, device, threads, speed
+    settings) and without its seed and tag: the same for every seed of one variant in one grid, and another for an
+    ablation (``--config``) or other PPO flags."""
     import hashlib
 
-    given = dict(inv.get("settings") or {})
-    text = given.pop("config", inv.get("config"))
-    parts = [f"--{k.replace('_', '-')} {v}" for k, v in sorted(given.items())]
-    if text is not None:
-        parts.append(f"--config {hashlib.sha1(text.encode()).hexdigest()[:8]}")
-    return ", ".join(parts) or "defaults"
+    from rlseq.resume import RESUME_FREE_KEYS
+
+    kept = {k: v for k, v in cfg.items() if k not in RESUME_FREE_KEYS and k not in SETTINGS_FREE_KEYS}
+    return hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def settings_conflicts(out: Path, tasks: list[str], settings: dict[str, Any]) -> list[str]:
-    """Tasks among ``tasks`` with results in ``out`` that an earlier invocation made with other settings
-    (:func:`invocation_settings`) than ``settings``: a table's rows are to differ in the variant alone."""
-    ours = invocation_settings({"settings": settings})
-    with_results = {t for t in tasks if any((out / "results" / t).rglob("seed*.json"))} if (out / "results").is_dir() \
-        else set()
+def planned_settings(run: BenchRun, extra: list[str]) -> str:
+    """:func:`settings_digest` of the config ``run`` will train with, resolved as ``rlseq.train`` resolves it."""
+    from rlseq.config import UsageError, resolve
+    from rlseq.train import build_parser
+
+    try:
+        return settings_digest(resolve(build_parser().parse_args(run.train_argv("runs", device="cpu", extra=extra))))
+    except UsageError as e:  # a bad --config: the same error its training would stop at
+        raise SystemExit(f"error: {run.name}: {e}") from None
+
+
+def settings_conflicts(runs: list[BenchRun], out: Path, extra: list[str]) -> list[str]:
+    """(task, variant) pairs of ``runs`` whose results in ``out`` were made with other settings than these runs
+    would train with (:func:`settings_digest`; results recorded without one are not compared)."""
+    recorded: dict[tuple[str, str], dict[str, str]] = {}
+    for path, doc in _finished_results(out) if (out / "results").is_dir() else []:
+        if "settings" in doc:
+            recorded.setdefault((doc["task"], doc["variant"]), {}).setdefault(doc["settings"], str(path))
     bad = []
-    for inv in read_manifest(out)["invocations"]:
-        theirs = invocation_settings(inv)
-        for task in sorted(with_results & set((inv.get("grid") or {}).get("tasks", []))):
-            if theirs != ours:
-                bad.append(f"{task}: {theirs} (started {inv.get('started')}), here {ours}")
-    return list(dict.fromkeys(bad))
+    for run in {(r.task, r.variant): r for r in runs}.values():
+        had = recorded.get((run.task, run.variant))
+        if had:
+            ours = planned_settings(run, extra)
+            if set(had) != {ours}:
+                bad.append(f"{run.task}/{run.variant}: results made with settings "
+                           f"{', '.join(f'{k} ({where})' for k, where in had.items())}; these runs: {ours}")
+    return bad
 
 
 # ------------------------------------------------------------------------------------------------ environment
@@ -555,7 +571,8 @@ def _evaluate(spec: dict[str, Any], folder: Path, paths: dict[str, Path], *, tra
            "eval_wall_s": eval_wall, "resumed": resumed, "run_folder": str(folder),
            "config": {k: cfg.get(k) for k in ("algo", "n_envs", "n_steps", "n_minibatches", "n_epochs",
                                                "learning_rate", "gamma", "ent_coef")},
-           "versions": spec["versions"], "cpu": cpu_model(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+           "settings": settings_digest(cfg), "versions": spec["versions"], "cpu": cpu_model(),
+           "time": time.strftime("%Y-%m-%d %H:%M:%S")}
     paths["curve"].parent.mkdir(parents=True, exist_ok=True)
     write_text_atomic(paths["curve"], curve.to_csv(index=False))
     _write_json(paths["result"], doc)  # last: its presence marks the run finished
@@ -745,7 +762,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add the finished runs of other results folders of this grid (another machine's "
                              "--out) to --out, with the invocations that made them, rewrite the report and exit; a "
                              "run --out has already keeps its result; refused when a task would mix commits or "
-                             "budgets")
+                             "budgets, or a variant training settings")
     parser.add_argument("--device", default="cpu", help="device of training and evaluation (default cpu)")
     for flag in ("n-envs", "n-steps", "n-minibatches"):
         parser.add_argument(f"--{flag}", type=int, default=None,
@@ -777,16 +794,13 @@ def resolve_grid(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out or (QUICK_OUT if quick else DEFAULT_OUT))
     extra = [x for flag in PPO_FLAGS if getattr(args, flag) is not None
              for x in (f"--{flag.replace('_', '-')}", str(getattr(args, flag)))]
-    settings = {flag: getattr(args, flag) for flag in PPO_FLAGS if getattr(args, flag) is not None}
     if getattr(args, "config", None):
         if not Path(args.config).is_file():
             raise SystemExit(f"error: --config {args.config}: no such file")
         extra += ["--config", str(Path(args.config).resolve())]
-        settings["config"] = Path(args.config).read_text()
     return {"tasks": tasks, "variants": wanted, "seeds": list(args.seeds or (QUICK["seeds"] if quick else SEEDS)),
             "steps": steps, "episodes": args.episodes or EPISODES, "jobs": args.jobs or os.cpu_count() or 1,
-            "out": out, "logdir": Path(args.logdir or Path("runs") / out.name), "extra": extra,
-            "settings": settings}
+            "out": out, "logdir": Path(args.logdir or Path("runs") / out.name), "extra": extra}
 
 
 def command(args: argparse.Namespace, g: dict[str, Any]) -> str:
@@ -821,7 +835,7 @@ def main(args: argparse.Namespace) -> None:
     out, logdir = g["out"], g["logdir"]
     if args.merge:
         given = [f"--{k.replace('_', '-')}" for k in ("tasks", "variants", "seeds", "steps", "episodes", "jobs",
-                                                      "logdir", "quick", "dry_run", "report_only", "config")
+                                                      "logdir", "quick", "dry_run", "report_only", "config", *PPO_FLAGS)
                  if getattr(args, k, None)]
         if given:
             raise SystemExit(f"error: --merge takes the folders to merge and --out alone, not {', '.join(given)}")
@@ -851,9 +865,10 @@ def main(args: argparse.Namespace) -> None:
     if conflicts:
         raise SystemExit(f"error: {len(conflicts)} run(s) were made with another budget; choose another --out and "
                          f"--logdir, or remove them:\n  {listed(conflicts)}")
-    mixed = settings_conflicts(out, g["tasks"], g["settings"])
+    mixed = settings_conflicts(runs, out, g["extra"])
     if mixed:
-        raise SystemExit(f"error: {out} holds runs of {len(mixed)} task(s) made with other settings than these, and a "
+        raise SystemExit(f"error: {out} holds results made with other training settings (another --config or "
+                         f"--n-envs, --n-steps, --n-minibatches) for {len(mixed)} task and variant pair(s), and a "
                          f"table's rows are to differ in the variant alone: choose another --out and --logdir, or "
                          f"give the same settings:\n  {listed(mixed)}")
     todo = [r for r in runs if not is_done(r, out)]
@@ -896,7 +911,6 @@ def main(args: argparse.Namespace) -> None:
             "cpu": cpu_model(), "cores": os.cpu_count(), "wall_s": None, "runs": len(todo),
             "grid": {"tasks": g["tasks"], "variants": g["variants"], "seeds": g["seeds"], "steps": g["steps"],
                      "episodes": g["episodes"]},
-            "settings": g["settings"],
             **({"config": Path(args.config).read_text()} if getattr(args, "config", None) else {})})
         try:
             answers = execute(runs, out, logdir, jobs=g["jobs"], episodes=g["episodes"], device=args.device,
