@@ -762,7 +762,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add the finished runs of other results folders of this grid (another machine's "
                              "--out) to --out, with the invocations that made them, rewrite the report and exit; a "
                              "run --out has already keeps its result; refused when a task would mix commits or "
-                             "budgets, or a variant training settings")
+                             "budgets, or a variant's results training settings")
     parser.add_argument("--device", default="cpu", help="device of training and evaluation (default cpu)")
     for flag in ("n-envs", "n-steps", "n-minibatches"):
         parser.add_argument(f"--{flag}", type=int, default=None,

@@ -38,7 +38,7 @@ FLAT_GAIN = 0.05  # a curve whose last 20% gains less than this has flattened (t
 NOTES = "notes.md"  # optional, hand-written: appended to the report as it is
 MEMORYLESS = "none"
 # the fair block's checks (fair_block_checks): rlseq's recurrent baselines must be at or above sb3-contrib's LSTM
-# anchors, and the reference memory at or above the best of these baselines and the anchors, on every task
+# anchors, and the reference memory at or above every one of these baselines and the anchors, on every task
 RNN_BASELINES = ("gru", "lstm")
 BASELINES = ("deltanet", *RNN_BASELINES)
 REPS = 2000  # bootstrap resamples of each CI
@@ -98,11 +98,10 @@ class Results:
 
     ``runs``: one row per finished run (columns task, variant, seed, steps, eval_mean, eval_std, episodes,
     eval_greedy_mean: the same with greedy actions, env_steps_per_s, train_wall_s, eval_wall_s, cpu: the machine;
-    NaN where not recorded). ``curves``: columns task,
-    variant, seed, step, value (``rollout/ep_rew_mean``). ``failures``: the failure records of runs without a
-    result. ``random``: task -> mean return of random actions. ``missing``: names of grid runs with neither a
-    result nor a failure. ``records``: the result JSONs themselves (configs and versions). ``grid``: :func:`grid_of`
-    the manifest.
+    NaN where not recorded). ``curves``: columns task, variant, seed, step, value (``rollout/ep_rew_mean``).
+    ``failures``: the failure records of runs without a result. ``random``: task -> mean return of random
+    actions. ``missing``: names of grid runs with neither a result nor a failure. ``records``: the result JSONs
+    themselves (configs and versions). ``grid``: :func:`grid_of` the manifest.
     """
 
     runs: pd.DataFrame
