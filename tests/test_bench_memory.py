@@ -386,9 +386,12 @@ def test_runs_with_other_settings_than_a_variant_s_results_are_refused(tmp_path)
     path.write_text(json.dumps({**json.loads(path.read_text()), "settings": M.planned_settings(run, [])}))
     _result(out, T1, "none", 0, 0.5)  # recorded before results had settings: never compared
     _failure(out, T2, "efla", 0)
-    _invocation(out, "2030-01-01 00:00", "CPU A")
     ablation = tmp_path / "gated.yml"
     ablation.write_text("popgym:\n  memory_kwargs: {efla: {join: gated}}\n")
+    _invocation(out, "2030-01-01 00:00", "CPU A")  # an ablation stopped before it finished a run: not compared
+    manifest = R.read_manifest(out)
+    manifest["invocations"][0]["config"] = ablation.read_text()
+    (out / R.MANIFEST).write_text(json.dumps(manifest))
     base = ["memory", "--seeds", "0", "--steps", "1000", "--out", str(out), "--logdir", str(tmp_path / "runs"),
             "--dry-run"]
     for flags in (["--config", str(ablation)], ["--n-envs", "4"]):

@@ -356,14 +356,15 @@ def budget_conflicts(runs: list[BenchRun], out: Path, logdir: Path) -> list[str]
 
 def settings_digest(cfg: dict[str, Any]) -> str:
     """How a run trains, as the first 12 hex digits of the SHA-1 of its resolved training config without what does
-    not change what it learns (``rlseq.resume.RESUME_FREE_KEYS``: budget, checkpoints, device, threads, speed
-    settings) and without its seed and tag: the same for every seed of one variant in one grid, and another for an
-    ablation (``--config``) or other PPO flags."""
+    not change what it learns (what ``--resume`` lets change: ``rlseq.resume.RESUME_FREE_KEYS``, budget,
+    checkpoints, device, threads, speed settings, and procgen's worker threads) and without its seed and tag: the
+    same for every seed of one variant in one grid, and another for an ablation (``--config``) or other PPO
+    flags."""
     import hashlib
 
-    from rlseq.resume import RESUME_FREE_KEYS
+    from rlseq.resume import RESUME_FREE_KEYS, _comparable
 
-    kept = {k: v for k, v in cfg.items() if k not in RESUME_FREE_KEYS and k not in SETTINGS_FREE_KEYS}
+    kept = {k: _comparable(k, v) for k, v in cfg.items() if k not in RESUME_FREE_KEYS and k not in SETTINGS_FREE_KEYS}
     return hashlib.sha1(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
@@ -382,7 +383,7 @@ def settings_conflicts(runs: list[BenchRun], out: Path, extra: list[str]) -> lis
     """(task, variant) pairs of ``runs`` whose results in ``out`` were made with other settings than these runs
     would train with (:func:`settings_digest`; results recorded without one are not compared)."""
     recorded: dict[tuple[str, str], dict[str, str]] = {}
-    for path, doc in _finished_results(out) if (out / "results").is_dir() else []:
+    for path, doc in _finished_results(out):
         if "settings" in doc:
             recorded.setdefault((doc["task"], doc["variant"]), {}).setdefault(doc["settings"], str(path))
     bad = []
