@@ -402,6 +402,11 @@ def test_runs_with_other_settings_than_a_variant_s_results_are_refused(tmp_path)
         bench_main([*base, "--tasks", T1, "--variants", "none", "gru", *flags])  # no settings recorded / no results
         bench_main([*base, "--tasks", T2, "--variants", "efla", *flags])  # a failure record alone
     bench_main([*base, "--tasks", T1, "--variants", "efla"])  # the same settings as its result: fine
+    path.write_text("{")  # a broken result stops the grid before anything runs, and the report, and says so
+    with pytest.raises(SystemExit, match=f"{path} is not a readable result file .*; nothing was run$"):
+        bench_main([*base, "--tasks", T1, "--variants", "efla"])
+    with pytest.raises(SystemExit, match=f"{path} is not a readable result file .*; no report was written$"):
+        R.load_results(out)
     assert M.planned_settings(run, ["--n-envs", "8"]) == M.planned_settings(run, [])  # popgym.yml's n_envs: the same
 
 

@@ -169,7 +169,7 @@ def commit_conflicts(runs: list[BenchRun], out: Path, commit: str) -> list[str]:
         for path in sorted((root / task).rglob("seed*.json")) if (root / task).is_dir() else []:
             if path.name.endswith(".failed.json"):
                 continue
-            had = (json.loads(path.read_text()).get("versions") or {}).get("rlseq", "unknown")
+            had = (read_result(path).get("versions") or {}).get("rlseq", "unknown")
             if had != commit:
                 bad.append(f"{path}: made at {had}")
     return bad
@@ -178,22 +178,24 @@ def commit_conflicts(runs: list[BenchRun], out: Path, commit: str) -> list[str]:
 RESULT_FIELDS = ("task", "variant", "seed", "steps")  # what a result file must hold to be merged
 
 
-def _finished_results(root: Path) -> list[tuple[Path, dict[str, Any]]]:
-    """Every finished run's result file under ``root/results`` with its contents (failure records left out)."""
-    found = []
-    for path in sorted((root / "results").rglob("seed*.json")):
-        if path.name.endswith(".failed.json"):
-            continue
-        try:
-            doc = json.loads(path.read_text())
-            missing = [k for k in RESULT_FIELDS if k not in doc]
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"error: {path} is not a readable result file ({e}); nothing was merged") from None
-        if missing:
-            raise SystemExit(f"error: {path} lacks {', '.join(missing)}: not a result file of this benchmark; "
-                             "nothing was merged")
-        found.append((path, doc))
-    return found
+def read_result(path: Path, stopped: str = "nothing was run") -> dict[str, Any]:
+    """A result file's contents; an unreadable one, or one without :data:`RESULT_FIELDS`, stops the program with
+    an error that names it and ends with ``stopped`` (what did not happen)."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {path} is not a readable result file ({e}); {stopped}") from None
+    missing = [k for k in RESULT_FIELDS if k not in doc] if isinstance(doc, dict) else list(RESULT_FIELDS)
+    if missing:
+        raise SystemExit(f"error: {path} lacks {', '.join(missing)}: not a result file of this benchmark; {stopped}")
+    return doc
+
+
+def _finished_results(root: Path, stopped: str = "nothing was merged") -> list[tuple[Path, dict[str, Any]]]:
+    """Every finished run's result file under ``root/results`` with its contents (failure records left out),
+    read by :func:`read_result`."""
+    return [(path, read_result(path, stopped)) for path in sorted((root / "results").rglob("seed*.json"))
+            if not path.name.endswith(".failed.json")]
 
 
 def _invocation_key(inv: dict[str, Any]) -> tuple[Any, ...]:
@@ -342,7 +344,7 @@ def budget_conflicts(runs: list[BenchRun], out: Path, logdir: Path) -> list[str]
     for r in runs:
         result = run_paths(out, r.task, r.variant, r.seed)["result"]
         if result.exists():
-            had = int(json.loads(result.read_text())["steps"])
+            had = int(read_result(result)["steps"])
             if had != r.steps:
                 bad.append(f"{r.name}: result of {had:,} steps in {result}")
             continue
@@ -383,7 +385,7 @@ def settings_conflicts(runs: list[BenchRun], out: Path, extra: list[str]) -> lis
     """(task, variant) pairs of ``runs`` whose results in ``out`` were made with other settings than these runs
     would train with (:func:`settings_digest`; results recorded without one are not compared)."""
     recorded: dict[tuple[str, str], dict[str, str]] = {}
-    for path, doc in _finished_results(out):
+    for path, doc in _finished_results(out, "nothing was run"):
         if "settings" in doc:
             recorded.setdefault((doc["task"], doc["variant"]), {}).setdefault(doc["settings"], str(path))
     bad = []

@@ -125,7 +125,10 @@ def load_results(out: str | Path) -> Results:
     records, failures, random, curves = [], [], {}, []
     root = out / RESULTS
     for path in sorted(root.rglob("*.json")) if root.is_dir() else []:
-        doc = json.loads(path.read_text())
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"error: {path} is not a readable result file ({e}); no report was written") from None
         if path.name == "random.json":
             random[doc["task"]] = doc
         elif path.name.endswith(".failed.json"):
