@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import types
 from pathlib import Path
@@ -402,11 +403,29 @@ def test_runs_with_other_settings_than_a_variant_s_results_are_refused(tmp_path)
         bench_main([*base, "--tasks", T1, "--variants", "none", "gru", *flags])  # no settings recorded / no results
         bench_main([*base, "--tasks", T2, "--variants", "efla", *flags])  # a failure record alone
     bench_main([*base, "--tasks", T1, "--variants", "efla"])  # the same settings as its result: fine
-    path.write_text("{")  # a broken result stops the grid before anything runs, and the report, and says so
-    with pytest.raises(SystemExit, match=f"{path} is not a readable result file .*; nothing was run$"):
+    # an unreadable result stops each check before anything runs, and the report, with an error that names it
+    other = R.run_paths(out, T2, "efla", 1)["result"]  # no run of the grid below: only the settings check reads it
+    other.write_text("{")
+    with pytest.raises(SystemExit, match=_unreadable(other, "result file", "nothing was run")):
         bench_main([*base, "--tasks", T1, "--variants", "efla"])
-    with pytest.raises(SystemExit, match=f"{path} is not a readable result file .*; no report was written$"):
+    other.unlink()
+    good = path.read_text()
+    path.write_text("{")  # the grid's own run: the budget check reads it first
+    with pytest.raises(SystemExit, match=_unreadable(path, "result file", "nothing was run")):
+        bench_main([*base, "--tasks", T1, "--variants", "efla"])
+    with pytest.raises(SystemExit, match=_unreadable(path, "result file", "nothing was run")):
+        M.commit_conflicts([run], out, "abc")
+    with pytest.raises(SystemExit, match=_unreadable(path, "result file", "no report was written")):
         R.load_results(out)
+    path.write_text(good)
+    (out / R.MANIFEST).write_text("[")
+    with pytest.raises(SystemExit, match=_unreadable(out / R.MANIFEST, "benchmark manifest", "nothing was changed")):
+        R.read_manifest(out)
+
+
+def _unreadable(path: Path, what: str, stopped: str) -> str:
+    """The error of an unreadable JSON file, as a pattern."""
+    return re.escape(f"error: {path} is not a readable {what} (") + f".*\\); {re.escape(stopped)}$"
     assert M.planned_settings(run, ["--n-envs", "8"]) == M.planned_settings(run, [])  # popgym.yml's n_envs: the same
 
 
@@ -518,8 +537,13 @@ def test_a_merge_refuses_what_it_cannot_merge_and_writes_nothing(tmp_path):
     with pytest.raises(SystemExit, match="--merge takes the folders to merge and --out alone, not --seeds, --dry-run"):
         bench_main(["memory", "--merge", str(other), "--out", str(out), "--seeds", "0", "--dry-run"])
     R.run_paths(third, T2, "efla", 0)["result"].write_text("{\"task\": ")  # cut short
-    with pytest.raises(SystemExit, match=f"{R.run_paths(third, T2, 'efla', 0)['result']} is not a readable result"):
+    with pytest.raises(SystemExit, match=_unreadable(R.run_paths(third, T2, "efla", 0)["result"], "result file",
+                                                     "nothing was merged")):
         bench_main(["memory", "--merge", str(third), "--out", str(out)])
+    R.random_path(other, T2).write_text("{")  # read before any result is written
+    with pytest.raises(SystemExit, match=_unreadable(R.random_path(other, T2), "chance-level file",
+                                                     "nothing was merged")):
+        bench_main(["memory", "--merge", str(other), "--out", str(out)])
     assert [p.name for p in (out / "results").rglob("*.json")] == ["seed0.json"]
 
 

@@ -49,8 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlseq.bench.memory_report import (CURVES_PNG, MANIFEST, random_path, read_manifest, returns_table, run_paths,
-                                       short_task, write_report)
+from rlseq.bench.memory_report import (CURVES_PNG, MANIFEST, random_path, read_json, read_manifest, returns_table,
+                                       run_paths, short_task, write_report)
 from rlseq.bench.timing import cpu_model
 from rlseq.sweep import _stop_with_parent, _train_once, log_tail
 
@@ -181,10 +181,7 @@ RESULT_FIELDS = ("task", "variant", "seed", "steps")  # what a result file must 
 def read_result(path: Path, stopped: str = "nothing was run") -> dict[str, Any]:
     """A result file's contents; an unreadable one, or one without :data:`RESULT_FIELDS`, stops the program with
     an error that names it and ends with ``stopped`` (what did not happen)."""
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: {path} is not a readable result file ({e}); {stopped}") from None
+    doc = read_json(path, "result file", stopped)
     missing = [k for k in RESULT_FIELDS if k not in doc] if isinstance(doc, dict) else list(RESULT_FIELDS)
     if missing:
         raise SystemExit(f"error: {path} lacks {', '.join(missing)}: not a result file of this benchmark; {stopped}")
@@ -265,6 +262,11 @@ def merge(out: Path, sources: list[Path]) -> dict[str, Any]:
         raise SystemExit(f"error: merging would mix rlseq commits, env-step budgets or training settings in "
                          f"{len(mixed)} task(s) or variant(s), and a table's rows come from one commit and one budget, "
                          f"and each variant's from one setting; nothing was merged:\n  {listed(mixed)}")
+    chance: dict[str, Any] = {}  # task -> the first source's chance level, read before anything is written
+    for src in sources:
+        for task in sorted(source_tasks.get(src, ())):
+            if task not in chance and random_path(src, task).exists() and not random_path(out, task).exists():
+                chance[task] = read_json(random_path(src, task), "chance-level file", "nothing was merged")
     for path, doc in incoming.values():
         paths = run_paths(out, doc["task"], doc["variant"], doc["seed"])
         curve = path.with_suffix(".csv")
@@ -273,10 +275,8 @@ def merge(out: Path, sources: list[Path]) -> dict[str, Any]:
             write_text_atomic(paths["curve"], curve.read_text())
         _write_json(paths["result"], doc)  # last: its presence marks the run finished
         paths["failed"].unlink(missing_ok=True)
-    for src in sources:
-        for task in source_tasks.get(src, ()):
-            if random_path(src, task).exists() and not random_path(out, task).exists():
-                _write_json(random_path(out, task), json.loads(random_path(src, task).read_text()))
+    for task, doc in chance.items():
+        _write_json(random_path(out, task), doc)
     manifest = read_manifest(out)
     ours = {_invocation_key(inv): inv for inv in manifest["invocations"]}
     added = updated = 0

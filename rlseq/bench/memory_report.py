@@ -70,9 +70,18 @@ def short_task(task: str) -> str:
     return head if sep and version.isdigit() else name
 
 
+def read_json(path: Path, what: str, stopped: str) -> Any:
+    """``path``'s JSON; an unreadable file stops the program with an error that names it as ``what`` and ends
+    with ``stopped`` (what did not happen)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {path} is not a readable {what} ({e}); {stopped}") from None
+
+
 def read_manifest(out: str | Path) -> dict[str, Any]:
     path = Path(out) / MANIFEST
-    return json.loads(path.read_text()) if path.exists() else {"invocations": []}
+    return read_json(path, "benchmark manifest", "nothing was changed") if path.exists() else {"invocations": []}
 
 
 def grid_of(manifest: dict[str, Any]) -> dict[str, Any]:
@@ -125,10 +134,8 @@ def load_results(out: str | Path) -> Results:
     records, failures, random, curves = [], [], {}, []
     root = out / RESULTS
     for path in sorted(root.rglob("*.json")) if root.is_dir() else []:
-        try:
-            doc = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"error: {path} is not a readable result file ({e}); no report was written") from None
+        what = "chance-level file" if path.name == "random.json" else "result file"
+        doc = read_json(path, what, "no report was written")
         if path.name == "random.json":
             random[doc["task"]] = doc
         elif path.name.endswith(".failed.json"):
