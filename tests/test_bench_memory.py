@@ -403,6 +403,7 @@ def test_runs_with_other_settings_than_a_variant_s_results_are_refused(tmp_path)
         bench_main([*base, "--tasks", T1, "--variants", "none", "gru", *flags])  # no settings recorded / no results
         bench_main([*base, "--tasks", T2, "--variants", "efla", *flags])  # a failure record alone
     bench_main([*base, "--tasks", T1, "--variants", "efla"])  # the same settings as its result: fine
+    assert M.planned_settings(run, ["--n-envs", "8"]) == M.planned_settings(run, [])  # popgym.yml's n_envs: the same
     # an unreadable result stops each check before anything runs, and the report, with an error that names it
     other = R.run_paths(out, T2, "efla", 1)["result"]  # no run of the grid below: only the settings check reads it
     other.write_text("{")
@@ -426,7 +427,6 @@ def test_runs_with_other_settings_than_a_variant_s_results_are_refused(tmp_path)
 def _unreadable(path: Path, what: str, stopped: str) -> str:
     """The error of an unreadable JSON file, as a pattern."""
     return re.escape(f"error: {path} is not a readable {what} (") + f".*\\); {re.escape(stopped)}$"
-    assert M.planned_settings(run, ["--n-envs", "8"]) == M.planned_settings(run, [])  # popgym.yml's n_envs: the same
 
 
 def _invocation(out: Path, started: str, cpu: str, wall_s: float | None = 60.0) -> None:
