@@ -104,6 +104,7 @@ def build_model(cfg: dict[str, Any], env, device: str, tensorboard_log: str | No
         policy = {"image": "CnnPolicy", "vector": "MlpPolicy", "dict": "MultiInputPolicy"}[kind]
         return MemoryPPO(policy, env, n_minibatches=cfg["n_minibatches"], policy_kwargs=policy_kwargs,
                          cuda_graph=cfg.get("cuda_graph", True), tf32=cfg.get("tf32", False),
+                         compile_extractor=cfg.get("compile_extractor", False),
                          cuda_graph_train=cuda_graph_train_arg(cfg.get("cuda_graph_train", "auto")), **common)
     from sb3_contrib import RecurrentPPO
 

@@ -10,6 +10,7 @@ import argparse
 import copy
 import difflib
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -30,10 +31,11 @@ FLAG_TO_KEY = {
     "value_shift": "value_shift", "prev_action_reward": "prev_action_reward", "checkpoint_every": "checkpoint_every",
     "normalize_reward": "normalize_reward", "amp": "amp", "fused_adam": "fused_adam", "cuda_graph": "cuda_graph",
     "cuda_graph_train": "cuda_graph_train", "channels_last": "channels_last", "tf32": "tf32",
+    "compile_extractor": "compile_extractor",
 }
 AMP_CHOICES = ("bf16", "none")
 # --fast: what it sets, unless the flag is given itself
-FAST_PRESET = {"amp": "bf16", "fused_adam": True, "channels_last": True, "tf32": True}
+FAST_PRESET = {"amp": "bf16", "fused_adam": True, "channels_last": True, "tf32": True, "compile_extractor": True}
 # cuda_graph_train in a config file: auto (or null) uses the training graph whenever the model allows it
 CUDA_GRAPH_TRAIN_VALUES = ("auto", "null", "true", "false")
 # a run folder's name part given by --tag: one plain folder name
@@ -160,11 +162,18 @@ CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
     "ent_coef": _real(0), "vf_coef": _real(0), "clip_range": _real(0, above=True), "max_grad_norm": _real(0, above=True),
     # returns of ~100 such rewards (or values of such a shift) and their squares stay well inside float32
     "reward_scale": _real(0, MAX_SCALE, above=True), "value_shift": _real(-MAX_SCALE, MAX_SCALE),
-    **dict.fromkeys(("normalize_reward", "prev_action_reward", "fused_adam", "channels_last", "tf32", "cuda_graph"),
-                    _boolean),
+    **dict.fromkeys(("normalize_reward", "prev_action_reward", "fused_adam", "channels_last", "tf32", "cuda_graph",
+                     "compile_extractor"), _boolean),
     "amp": _amp, "cuda_graph_train": _cuda_graph_train,
     **dict.fromkeys(("env_kwargs", "policy_kwargs", "memory_kwargs", "memory_learning_rate"), _mapping),
 }
+
+
+def auto_procgen_threads() -> int:
+    """procgen's worker threads for ``num_threads: auto``: the cores this process may use, within [8, 16]. On a
+    16-core H100 host 16 threads stepped 64 caveflyer games in 0.35-0.43 ms against 0.48-0.50 ms with 8, and 24 or 32
+    were slower again (``docs/benchmarks.md``); below 8 (the earlier fixed default) nothing was measured faster."""
+    return min(16, max(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
 
 
 def unknown_keys(entry: dict[str, Any], where: str) -> list[str]:
@@ -556,6 +565,8 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
         for key in PROCGEN_OPTIONS:
             if getattr(args, key) is not None:
                 env_kwargs[key] = getattr(args, key)
+        if str(env_kwargs.get("num_threads")).strip().lower() == "auto":
+            env_kwargs["num_threads"] = auto_procgen_threads()
         for key in ("num_levels", "start_level", "num_threads"):  # procgen checks them only once the folder exists
             if key in env_kwargs:
                 where = "--" + key.replace("_", "-") if getattr(args, key) is not None else origin.get("env_kwargs")
@@ -590,6 +601,9 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     cfg["channels_last"] = bool(cfg.get("channels_last", False))
     if cfg["channels_last"] and args.algo != "rlseq":
         raise UsageError("--channels-last needs --algo rlseq")
+    cfg["compile_extractor"] = bool(cfg.get("compile_extractor", False))
+    if cfg["compile_extractor"] and args.algo != "rlseq":
+        raise UsageError("--compile-extractor needs --algo rlseq")
     if args.cuda_graph and args.algo != "rlseq":
         raise UsageError("--cuda-graph needs --algo rlseq (sb3-contrib's RecurrentPPO acts eagerly)")
     if args.cuda_graph and args.device == "cpu":

@@ -44,10 +44,10 @@ def _resume_point(folder: Path) -> Path | None:
 # torch threads) and how
 # acting and training are launched (the same computation; for the GRU and LSTM the training graph's scan is the same
 # function with other rounding); amp, fused_adam and channels_last are the checkpoint's
-# (see _adopt_saved_speed_settings); a change of TF32 (rounding on a GPU) is stated
+# (see _adopt_saved_speed_settings); a change of TF32 or of the compiled CNN (rounding) is stated
 RESUME_FREE_KEYS = frozenset({"n_timesteps", "checkpoint_every", "verbose", "device", "torch_threads", "cuda_graph",
-                              "cuda_graph_train", "amp", "fused_adam", "channels_last", "tf32"})
-RESUME_STATED_KEYS = ("tf32",)
+                              "cuda_graph_train", "amp", "fused_adam", "channels_last", "tf32", "compile_extractor"})
+RESUME_STATED_KEYS = ("tf32", "compile_extractor")
 
 
 def refuse_changed_settings(cfg: dict[str, Any], folder: Path, checkpoint: Path) -> None:
@@ -118,7 +118,9 @@ def _load_checkpoint(latest: Path, cfg: dict[str, Any], args: argparse.Namespace
     env = make_env({**cfg, "normalize_reward": False}, seed=resumed_env_seed(cfg["seed"], step))
     env = _load_reward_statistics(latest, env)
     try:
-        model = _algo_class(cfg).load(latest / "model.zip", env=env, device=device)
+        # the compiled CNN is a setting of this run, not of the checkpoint: applied as the policy is built
+        rebuild = {"compile_extractor": cfg["compile_extractor"]} if cfg["algo"] == "rlseq" else {}
+        model = _algo_class(cfg).load(latest / "model.zip", env=env, device=device, **rebuild)
     except RuntimeError as e:
         said = settings_refusal(e)
         if said is None:

@@ -728,16 +728,17 @@ def _resolved(*argv: str, config: Path | None = None) -> dict:
     return resolve(build_parser().parse_args(["--env", "caveflyer", *extra, *argv]))
 
 
-SPEED_KEYS = ("amp", "fused_adam", "channels_last", "tf32")
+SPEED_KEYS = ("amp", "fused_adam", "channels_last", "tf32", "compile_extractor")
 
 
-def test_fast_is_the_four_speed_flags_and_a_flag_given_explicitly_wins():
-    assert tuple(_resolved()[k] for k in SPEED_KEYS) == (None, False, False, False)
+def test_fast_is_the_five_speed_flags_and_a_flag_given_explicitly_wins():
+    assert tuple(_resolved()[k] for k in SPEED_KEYS) == (None, False, False, False, False)
     fast = _resolved("--fast")
-    assert tuple(fast[k] for k in SPEED_KEYS) == ("bf16", True, True, True)
+    assert tuple(fast[k] for k in SPEED_KEYS) == ("bf16", True, True, True, True)
     assert fast["cuda_graph_train"] == "auto"  # comes on with fused Adam on a GPU, by itself
     for argv, key, value in [(["--amp", "none"], "amp", None), (["--no-fused-adam"], "fused_adam", False),
-                             (["--no-channels-last"], "channels_last", False), (["--no-tf32"], "tf32", False)]:
+                             (["--no-channels-last"], "channels_last", False), (["--no-tf32"], "tf32", False),
+                             (["--no-compile-extractor"], "compile_extractor", False)]:
         for order in (["--fast", *argv], [*argv, "--fast"]):
             cfg = _resolved(*order)
             assert cfg[key] == value and all(cfg[k] == fast[k] for k in SPEED_KEYS if k != key), (order, cfg)
@@ -777,10 +778,12 @@ def test_fast_on_the_cpu_trains_records_what_ran_and_must_agree_with_the_checkpo
     fast_run, plain_run = (tmp_path / "caveflyer" / "efla" / f"seed{s}" for s in (0, 1))
     train_main(base + ["--total-steps", "32", "--fast"])
     cfg = yaml.safe_load((fast_run / "config.yaml").read_text())
-    assert tuple(cfg[k] for k in SPEED_KEYS) == ("bf16", True, True, True)
+    # --fast's compiled CNN is for a GPU: on the CPU it stays off, and the record says so
+    assert tuple(cfg[k] for k in SPEED_KEYS) == ("bf16", True, True, True, False)
     assert cfg["cuda_graph_train"] is False and cfg["device"] == "cpu"  # auto on the CPU: eager, recorded as such
     model = MemoryPPO.load(fast_run / "final_model.zip", device="cpu")
-    assert model.policy.amp_dtype is torch.bfloat16 and model.policy.channels_last
+    assert model.policy.amp_dtype is torch.bfloat16 and model.policy.channels_last and not model.compile_extractor
+    assert model.policy.features_extractor._compiled_call_impl is None
     # saved as auto: the same model loaded on a GPU trains from the graph
     assert model.policy.optimizer.defaults["fused"] and model.cuda_graph_train is None
     train_main(base + ["--total-steps", "32", "--seed", "1"])
@@ -799,6 +802,56 @@ def test_fast_on_the_cpu_trains_records_what_ran_and_must_agree_with_the_checkpo
     train_main(base + ["--total-steps", "64", "--resume", "--fast"])  # the same command plus --resume
     assert MemoryPPO.load(fast_run / "final_model.zip", device="cpu").num_timesteps == 64
     assert yaml.safe_load((fast_run / "config.yaml").read_text())["tf32"] is True
+
+
+def test_the_compiled_extractor_is_a_run_setting_saved_with_the_model_and_changed_on_load(tmp_path):
+    """``compile_extractor``: the features extractor compiled in place (compiling waits for its first call, which
+    this test never makes), kept by save and load, changed by ``load``'s keyword (as a resumed run does)."""
+    from rlseq.envs import make_procgen
+
+    env = make_procgen("caveflyer", 2, seed=0, num_threads=0)
+    model = MemoryPPO("CnnPolicy", env, n_steps=8, compile_extractor=True, device="cpu")
+    extractor = model.policy.features_extractor
+    assert extractor._compiled_call_impl is not None
+    keys = set(model.policy.state_dict())
+    assert not any("_orig_mod" in k for k in keys)  # in place: the checkpoint keys are the eager model's
+    model.save(tmp_path / "m.zip")
+    loaded = MemoryPPO.load(tmp_path / "m.zip", device="cpu")
+    assert loaded.compile_extractor and loaded.policy.features_extractor._compiled_call_impl is not None
+    assert set(loaded.policy.state_dict()) == keys
+    plain = MemoryPPO.load(tmp_path / "m.zip", device="cpu", compile_extractor=False)
+    assert not plain.compile_extractor and plain.policy.features_extractor._compiled_call_impl is None
+    env.close()
+
+
+def test_num_threads_auto_is_the_usable_cores_within_8_and_16(monkeypatch):
+    import rlseq.config as C
+
+    for cores, threads in ((2, 8), (8, 8), (12, 12), (16, 16), (64, 16)):
+        monkeypatch.setattr(C.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        assert C.auto_procgen_threads() == threads
+        assert _resolved()["env_kwargs"]["num_threads"] == threads  # configs/procgen.yml says auto
+    assert _resolved("--num-threads", "3")["env_kwargs"]["num_threads"] == 3
+
+
+def test_a_resume_states_a_changed_tf32_or_compiled_extractor_and_refuses_a_changed_learning_setting(
+        tmp_path, capsys):
+    import yaml
+
+    from rlseq.resume import refuse_changed_settings
+    from rlseq.train import UsageError
+
+    saved = {"tf32": False, "compile_extractor": False, "gamma": 0.99, "env_kwargs": {"num_threads": 8}}
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    checkpoint = tmp_path / "checkpoints" / "step64"
+    checkpoint.mkdir(parents=True)
+    refuse_changed_settings({**saved, "tf32": True, "compile_extractor": True, "env_kwargs": {"num_threads": 16}},
+                            tmp_path, checkpoint)
+    err = capsys.readouterr().err
+    assert "note: tf32 was False in the run and is True from now on" in err
+    assert "note: compile_extractor was False in the run and is True from now on" in err
+    with pytest.raises(UsageError, match=r"gamma: 0\.99 in the run, 0\.9 now"):
+        refuse_changed_settings({**saved, "gamma": 0.9}, tmp_path, checkpoint)
 
 
 # --- torch threads, the closing summary, extending a finished run, evaluating an interrupted one -------------

@@ -14,6 +14,7 @@ learning rate as float32 and a float one as a double, so any other rate differs 
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 import zipfile
@@ -413,13 +414,15 @@ def test_cli_and_bench_plumb_the_option(capsys):
 
 
 def _procgen(memory: str = "efla", *, n_envs: int = 8, n_epochs: int = 3, cuda_graph_train: bool | None = False,
-             learning_rate=LR, device: str = "cuda", optimizer_kwargs: dict | None = FUSED) -> MemoryPPO:
+             learning_rate=LR, device: str = "cuda", optimizer_kwargs: dict | None = FUSED,
+             compile_extractor: bool = False) -> MemoryPPO:
     """The fast settings on caveflyer: bf16 CNN, NHWC, fused Adam; 8 envs x 32 steps, 2 minibatches of 4 envs."""
     from rlseq.envs import make_procgen
 
     env = make_procgen("caveflyer", n_envs, seed=0, num_threads=0)
     model = MemoryPPO("CnnPolicy", env, n_steps=32, n_minibatches=2, n_epochs=n_epochs, seed=0, device=device,
                       learning_rate=learning_rate, cuda_graph_train=cuda_graph_train,
+                      compile_extractor=compile_extractor,
                       policy_kwargs=dict(memory=memory, memory_kwargs=MEMORY_KWARGS[memory], amp_dtype="bf16",
                                          channels_last=True, optimizer_kwargs=optimizer_kwargs))
     model.set_logger(configure(None, []))
@@ -533,15 +536,11 @@ def test_efla_triton_chunk_kernel_runs_inside_the_graph(monkeypatch, determinist
 
 @cuda
 def test_a_compiled_extractor_trains_from_the_graph_as_it_does_eagerly(deterministic_cudnn):
-    """bench train's ``+compile``: the features extractor through torch.compile, compiled while acting and in the
-    warm-up updates, so that the capture records the compiled kernels; the replays then update as the eager loop
-    over the same compiled extractor does."""
-    def compiled(**kwargs) -> MemoryPPO:
-        model = _procgen(**kwargs)
-        model.policy.features_extractor.compile()
-        return model
-
-    eager, graph = _twins(compiled, memory="efla", second=dict(cuda_graph_train=True))
+    """``compile_extractor`` (``--fast`` on a GPU, bench train's ``+compile``): the features extractor through
+    torch.compile, compiled while acting and in the warm-up updates, so that the capture records the compiled
+    kernels; the replays then update as the eager loop over the same compiled extractor does."""
+    eager, graph = _twins(functools.partial(_procgen, compile_extractor=True), memory="efla",
+                          second=dict(cuda_graph_train=True))
     for seed in (1, 2):
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # no fallback

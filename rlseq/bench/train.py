@@ -20,7 +20,8 @@ matmuls; off by default, as in ``python -m rlseq.train``, so the baseline is tru
 autocast), ``fused`` (fused Adam), ``graph`` (acting replayed from a CUDA graph), ``tgraph`` (each PPO minibatch
 update replayed from a CUDA graph; needs ``fused``), ``nhwc`` (channels-last CNN), ``autotune`` (cuDNN times its
 convolution algorithms per shape and keeps the fastest, ``torch.backends.cudnn.benchmark``) and ``compile`` (the
-features extractor through ``torch.compile``, compiled in the warm-up, before any graph is captured); all but
+features extractor through ``torch.compile``, the trainer's ``--compile-extractor``, compiled in the warm-up before
+any graph is captured); all but
 ``tf32`` and ``autotune`` for the rlseq variants only (the sb3 variants stay stock). One call compares them side by side in one process::
 
     python -m rlseq.bench train --variants rlseq-efla rlseq-efla+graph rlseq-efla+graph+bf16+fused+tf32
@@ -112,7 +113,8 @@ def _config(args: argparse.Namespace, memory: str, algo: str, speed: dict | None
                  "--tf32" if speed["tf32"] else "--no-tf32",
                  "--cuda-graph" if speed["cuda_graph"] else "--no-cuda-graph",
                  "--cuda-graph-train" if speed["cuda_graph_train"] else "--no-cuda-graph-train",
-                 "--channels-last" if speed["channels_last"] else "--no-channels-last"]
+                 "--channels-last" if speed["channels_last"] else "--no-channels-last",
+                 "--compile-extractor" if speed["compile"] else "--no-compile-extractor"]
     for flag in ("n_envs", "n_steps", "n_minibatches", "n_epochs", "num_threads"):
         if getattr(args, flag) is not None:
             argv += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -137,7 +139,6 @@ def _build(variant: str, args: argparse.Namespace, device: str):
     variant = variant.split("+")[0]
     if variant.startswith("rlseq-"):
         cfg = _config(args, variant.split("-", 1)[1], "rlseq", speed)
-        model = build_model(cfg, make_env(cfg, seed=args.seed), device)
         if speed["compile"]:
             import torch._dynamo.config as dynamo_config
 
@@ -146,7 +147,7 @@ def _build(variant: str, args: argparse.Namespace, device: str):
             # under this variant's label, so the limit is raised and reaching it is an error
             dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
             dynamo_config.fail_on_recompile_limit_hit = True
-            model.policy.features_extractor.compile()  # in place: parameters and state_dict keys unchanged
+        model = build_model(cfg, make_env(cfg, seed=args.seed), device)  # +compile: the trainer's compile_extractor
     else:
         cfg = {**_config(args, "lstm", "rlseq"), "algo": "sb3-recurrent-ppo"}
         env = make_env(cfg, seed=args.seed)
