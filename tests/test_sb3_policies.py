@@ -177,13 +177,11 @@ def _collect_and_compare(model: RecurrentPPO, batch_size: int) -> float:
 SHARING = {
     "separate": {},
     "shared": dict(shared_memory=True, enable_critic_memory=False),
-    "shared-trained": dict(shared_memory=True, critic_gradient=True),
     "ff-critic": dict(enable_critic_memory=False),
 }
 RPPO_CASES = (
     [pytest.param(name, "torch", "separate", id=f"{name}-torch-separate") for name in MEMORIES]
-    + [pytest.param(name, "torch", sh, id=f"{name}-torch-{sh}") for name in ("efla", "lstm")
-       for sh in ("shared", "shared-trained", "ff-critic")]
+    + [pytest.param(name, "torch", sh, id=f"{name}-torch-{sh}") for name in ("efla", "lstm") for sh in ("shared", "ff-critic")]
     + [pytest.param(name, "triton", "separate", id=f"{name}-triton-interpret") for name in ("efla", "deltanet")]
 )
 
@@ -303,32 +301,6 @@ def test_a_drop_in_model_saved_before_the_read_norm_default_loads_as_it_was_trai
         warnings.filterwarnings("error", message=".*read norm.*")
         again = RecurrentPPO.load(tmp_path / "again.zip", env=env, device="cpu")
     assert again.policy.memory_actor.out_norm is None
-
-
-@pytest.mark.parametrize("critic_gradient", [False, True])
-def test_the_value_loss_trains_the_shared_memory_only_with_critic_gradient(critic_gradient, tmp_path):
-    """``shared_memory`` alone is sb3-contrib's ``shared_lstm``: the critic reads the memory detached. With
-    ``critic_gradient`` the value loss's gradient reaches the memory (and the policy saves and loads with it)."""
-    model = RecurrentPPO(EflaMlpPolicy, _cue_env(2), n_steps=8, batch_size=8, seed=0,
-                         policy_kwargs=dict(memory_kwargs=SMALL["efla"], shared_memory=True,
-                                            critic_gradient=critic_gradient))
-    _, callback = model._setup_learn(model.n_steps * model.n_envs, None)
-    model.collect_rollouts(model.env, callback, model.rollout_buffer, n_rollout_steps=model.n_steps)
-    data = next(model.rollout_buffer.get(8))
-    values, _, _ = model.policy.evaluate_actions(data.observations, data.actions.long().flatten(), data.lstm_states,
-                                                 data.episode_starts)
-    values.square().sum().backward()  # a value loss alone
-    grads = [p.grad for p in model.policy.memory_actor.parameters() if p.requires_grad]
-    reached = any(g is not None and g.abs().sum() > 0 for g in grads)
-    assert reached is critic_gradient
-    assert model.policy.value_net.weight.grad.abs().sum() > 0
-    model.save(tmp_path / "m.zip")
-    assert RecurrentPPO.load(tmp_path / "m.zip", device="cpu").policy.critic_gradient is critic_gradient
-
-
-def test_critic_gradient_needs_a_shared_memory():
-    with pytest.raises(ValueError, match="critic_gradient=True needs shared_memory=True"):
-        RecurrentPPO(EflaMlpPolicy, _cue_env(2), policy_kwargs=dict(critic_gradient=True))
 
 
 def test_lstm_policy_kwargs_still_work():

@@ -39,7 +39,6 @@ from typing import Any, ClassVar
 import torch
 from gymnasium import spaces
 from sb3_contrib.common.recurrent.policies import RecurrentActorCriticPolicy
-from sb3_contrib.common.recurrent.type_aliases import RNNStates
 from stable_baselines3.common.policies import ActorCriticPolicy
 from stable_baselines3.common.torch_layers import BaseFeaturesExtractor, FlattenExtractor, MlpExtractor
 from stable_baselines3.common.type_aliases import Schedule
@@ -128,9 +127,6 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
         implies ``enable_critic_memory=False`` unless that is given.
     :param enable_critic_memory: the critic has its own memory (default, as in sb3-contrib). With both options
         off the critic is feed-forward (a linear map of the features). Same as ``enable_critic_lstm``.
-    :param critic_gradient: with ``shared_memory``: the value loss's gradient trains the shared memory too, as in
-        rlseq's ``MemoryPPO`` (sb3-contrib's ``shared_lstm`` detaches it). Only training changes: acting and the
-        values computed during a rollout are the same numbers either way.
     :param lstm_hidden_size, n_lstm_layers, lstm_kwargs: accepted so that ``policy_kwargs`` written for the LSTM
         policies keep working: for ``memory="lstm"`` or ``"gru"`` they set the RNN inside the block (its output
         width stays ``d_model``); for EFLA/DeltaNet ``lstm_hidden_size`` sets the block width ``d_model`` (the
@@ -180,7 +176,6 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
         shared_lstm: bool | None = None,
         enable_critic_lstm: bool | None = None,
         lstm_kwargs: dict[str, Any] | None = None,
-        critic_gradient: bool = False,
     ) -> None:
         self.memory_name = (memory or self.default_memory).lower()
         self.memory_kwargs = self._resolve_memory_kwargs(
@@ -197,10 +192,6 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
                 raise ValueError("choose between a shared memory, a separate critic memory or none for the critic")
         if self.shared_lstm and not share_features_extractor:
             raise ValueError("if the features extractor is not shared, the memory cannot be shared")
-        self.critic_gradient = bool(critic_gradient)
-        if self.critic_gradient and not self.shared_lstm:
-            raise ValueError("critic_gradient=True needs shared_memory=True: it lets the value loss train the memory "
-                             "that actor and critic share")
         self.lstm_kwargs: dict[str, Any] = {}
         # The memories are built in _build_mlp_extractor, once features_dim is known and before the optimizer
         # is created; RecurrentActorCriticPolicy.__init__ is skipped because it builds nn.LSTMs sized for the
@@ -279,7 +270,6 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
             memory_kwargs=self.memory_kwargs,
             shared_memory=self.shared_lstm,
             enable_critic_memory=self.enable_critic_lstm,
-            critic_gradient=self.critic_gradient,
         )
         return data
 
@@ -303,19 +293,6 @@ class MemoryActorCriticPolicy(RecurrentActorCriticPolicy):
         """One memory call over the whole minibatch (no Python loop over time steps). See
         :meth:`PackedMemory.run`."""
         return lstm.run(features, lstm_states, episode_starts)
-
-    def evaluate_actions(  # type: ignore[override]
-        self, obs: torch.Tensor, actions: torch.Tensor, lstm_states: RNNStates, episode_starts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """sb3-contrib's, except that with ``critic_gradient`` the critic reads the shared memory's output
-        undetached. ``obs`` and ``actions`` ``[n_seq·T, ...]`` → ``(values [n_seq·T, 1], log_prob [n_seq·T],
-        entropy [n_seq·T])``."""
-        if not self.critic_gradient:
-            return super().evaluate_actions(obs, actions, lstm_states, episode_starts)
-        latent, _ = self._process_sequence(self.extract_features(obs), lstm_states.pi, episode_starts, self.lstm_actor)
-        distribution = self._get_action_dist_from_latent(self.mlp_extractor.forward_actor(latent))
-        values = self.value_net(self.mlp_extractor.forward_critic(latent))
-        return values, distribution.log_prob(actions), distribution.entropy()
 
     # -- conveniences --------------------------------------------------------------------------------------
     @property
