@@ -55,10 +55,13 @@ def load_as_trained(cls: type, path: Path, device: str, notes: list[str]) -> Any
     instead (:mod:`rlseq.resume`), since it would go on training with other settings than its config's."""
     from stable_baselines3.common.save_util import load_from_zip_file
 
+    from rlseq.algos import MemoryPPO
     from rlseq.policies.memory import format_memory_kwargs, memory_kwargs_to_load, settings_refusal
 
+    # playing gains nothing from a compiled CNN (a --fast run's) and would compile it first, on any device
+    play = {"compile_extractor": False} if issubclass(cls, MemoryPPO) else {}
     try:
-        return cls.load(path, device=device)
+        return cls.load(path, device=device, **play)
     except RuntimeError as e:
         refusal = settings_refusal(e)
         if refusal is None:
@@ -68,7 +71,8 @@ def load_as_trained(cls: type, path: Path, device: str, notes: list[str]) -> Any
     memory_kwargs = {**(kwargs.get("memory_kwargs") or {}), **trained}
     notes.append(f"{path.name} was saved with other memory settings than today's defaults: played with "
                  f"memory_kwargs {format_memory_kwargs(trained)}, as it was trained")
-    return cls.load(path, device=device, custom_objects={"policy_kwargs": {**kwargs, "memory_kwargs": memory_kwargs}})
+    return cls.load(path, device=device, custom_objects={"policy_kwargs": {**kwargs, "memory_kwargs": memory_kwargs}},
+                    **play)
 
 
 def find_model(run_dir: Path, notes: list[str] | None = None) -> Path:

@@ -824,11 +824,38 @@ def test_the_compiled_extractor_is_a_run_setting_saved_with_the_model_and_change
     env.close()
 
 
+def test_the_compiled_extractor_follows_the_command_on_resume_and_is_played_uncompiled(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """An explicit ``--compile-extractor`` holds on the CPU (only ``--fast``'s is dropped there); ``--resume`` builds
+    the policy with the resumed command's setting and states the change; ``rlseq.evaluate`` plays a model saved
+    with it uncompiled. ``nn.Module.compile`` is recorded instead of run (compiling takes half a minute here)."""
+    import yaml
+
+    from rlseq.evaluate import load_as_trained
+
+    compiled: list[str] = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, *a, **k: compiled.append(type(self).__name__))
+    base = ["--env", "caveflyer", "--memory", "efla", "--logdir", str(tmp_path), "--no-progress-bar", *TINY]
+    run = tmp_path / "caveflyer" / "efla" / "seed0"
+    train_main(base + ["--total-steps", "32", "--compile-extractor"])
+    assert compiled == ["ImpalaCNN"] and yaml.safe_load((run / "config.yaml").read_text())["compile_extractor"]
+    played = load_as_trained(MemoryPPO, run / "final_model.zip", "cpu", [])
+    assert not played.compile_extractor and compiled == ["ImpalaCNN"]
+    assert MemoryPPO.load(run / "final_model.zip", device="cpu").compile_extractor  # saved with the model
+    (run / "final_model.zip").unlink()  # an interrupted run, with its checkpoint at step 32
+    capsys.readouterr()
+    train_main(base + ["--total-steps", "64", "--resume"])
+    assert "note: compile_extractor was True in the run and is False from now on" in capsys.readouterr().err
+    assert compiled == ["ImpalaCNN", "ImpalaCNN"]  # the second is MemoryPPO.load's above: the resume compiled nothing
+    assert not yaml.safe_load((run / "config.yaml").read_text())["compile_extractor"]
+    assert not MemoryPPO.load(run / "final_model.zip", device="cpu").compile_extractor
+
+
 def test_num_threads_auto_is_the_usable_cores_within_8_and_16(monkeypatch):
     import rlseq.config as C
 
     for cores, threads in ((2, 8), (8, 8), (12, 12), (16, 16), (64, 16)):
-        monkeypatch.setattr(C.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)))
+        monkeypatch.setattr(C.os, "sched_getaffinity", lambda pid, n=cores: set(range(n)), raising=False)
         assert C.auto_procgen_threads() == threads
         assert _resolved()["env_kwargs"]["num_threads"] == threads  # configs/procgen.yml says auto
     assert _resolved("--num-threads", "3")["env_kwargs"]["num_threads"] == 3

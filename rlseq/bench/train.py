@@ -255,8 +255,10 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(f"CUDA-graph acting or training (+graph, +tgraph) needs a GPU device: {', '.join(graphed)}")
     print(describe_environment(torch.device(device)))
     cfg = _config(args, "efla", "rlseq")
+    threads = cfg["env_kwargs"].get("num_threads")  # procgen's; num_threads: auto depends on the host
     print(f"{args.env}, {cfg['n_envs']} envs x {cfg['n_steps']} steps, {cfg['n_epochs']} epochs, "
-          f"{cfg['n_minibatches']} minibatches; {args.warmup} warm-up + {args.rollouts} timed rollouts per variant")
+          f"{cfg['n_minibatches']} minibatches{'' if threads is None else f', procgen at {threads} threads'}; "
+          f"{args.warmup} warm-up + {args.rollouts} timed rollouts per variant")
     label = describe_settings(settings("rlseq-none"))
     print(f"settings: {label} (a variant's +options change these)")
     print("timing: " + ("one variant after the other" if args.sequential else
