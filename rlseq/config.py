@@ -170,10 +170,16 @@ CONFIG_KEYS: dict[str, Callable[[Any], Any]] = {
 
 
 def auto_procgen_threads() -> int:
-    """procgen's worker threads for ``num_threads: auto``: the cores this process may use, within [8, 16]. On a
-    16-core H100 host 16 threads stepped 64 caveflyer games in 0.35-0.43 ms against 0.48-0.50 ms with 8, and 24 or 32
-    were slower again (``docs/benchmarks.md``); below 8 (the earlier fixed default) nothing was measured faster."""
-    return min(16, max(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    """procgen's worker threads for ``num_threads: auto``: the cores this process may use (a sweep's share,
+    ``RLSEQ_CPUS``, when it sets one), within [8, 16]. On a 16-core H100 host 16 threads stepped 64 caveflyer games
+    in 0.35-0.43 ms against 0.48-0.50 ms with 8, and 24 or 32 were slower again (``docs/benchmarks.md``); below 8 (the
+    earlier fixed default) nothing was measured faster."""
+    share = os.environ.get("RLSEQ_CPUS", "")
+    if share.isdigit() and int(share) > 0:
+        cores = int(share)
+    else:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(16, max(8, cores))
 
 
 def unknown_keys(entry: dict[str, Any], where: str) -> list[str]:

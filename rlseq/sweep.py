@@ -389,6 +389,13 @@ def _train_once(argv: list[str], env: dict[str, str], cwd: str | None, folder: P
 SWEEP_LOCK_NAME = ".sweep.lock"  # held by a sweep's task; a second sweep on the tree leaves the run alone
 
 
+def run_environment(spec: dict[str, Any], gpus: list[str]) -> dict[str, str]:
+    """The environment of one run's trainer: its torch threads (``OMP_NUM_THREADS``), its share of the cores
+    (``RLSEQ_CPUS``, which procgen's ``num_threads: auto`` takes in place of every core the host has) and its GPUs."""
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(spec["threads"]), RLSEQ_CPUS=str(spec["cpus"]),
+                CUDA_VISIBLE_DEVICES=",".join(gpus))
+
+
 def train_run(spec: dict[str, Any], board: Any) -> dict[str, Any]:
     """Train one run inside a Ray task: ``python -m rlseq.train ... --resume`` until it finishes, and again from
     its last checkpoint after a non-zero exit, ``spec["retries"]`` times at most. A run that was stopped
@@ -401,8 +408,7 @@ def train_run(spec: dict[str, Any], board: Any) -> dict[str, Any]:
     from rlseq.train import BUSY_EXIT
 
     gpus = [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(spec["threads"]),
-               CUDA_VISIBLE_DEVICES=",".join(gpus))
+    env = run_environment(spec, gpus)
     argv = [sys.executable, "-m", "rlseq.train", *spec["argv"], "--resume", "--no-progress-bar"]
     if not gpus:
         argv += ["--device", "cpu"]
@@ -636,7 +642,7 @@ def execute(runs: list[Run], res: Resources, *, status_path: Path, spec_name: st
             logdir_at = run.argv.index("--logdir") + 1
             argv = [*run.argv[:logdir_at], str(Path(run.argv[logdir_at]).absolute()), *run.argv[logdir_at + 1:]]
             spec = {"name": run.name, "argv": argv, "folder": str(run.folder.absolute()), "cwd": os.getcwd(),
-                    "threads": threads, "retries": res.retries}
+                    "threads": threads, "cpus": max(1, int(res.cpus_per_run)), "retries": res.retries}
             refs[task.options(**opts, name=f"rlseq.sweep:{run.name}").remote(spec, board)] = run
         bar = tqdm(total=sum(r.total_steps for r in runs), initial=sum(_steps(r) for r in runs), unit="step",
                    unit_scale=True, smoothing=0, dynamic_ncols=True, disable=not progress,

@@ -859,6 +859,18 @@ def test_num_threads_auto_is_the_usable_cores_within_8_and_16(monkeypatch):
         assert C.auto_procgen_threads() == threads
         assert _resolved()["env_kwargs"]["num_threads"] == threads  # configs/procgen.yml says auto
     assert _resolved("--num-threads", "3")["env_kwargs"]["num_threads"] == 3
+    # a sweep's run takes its share of the cores, not the host's
+    monkeypatch.setattr(C.os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    for share, threads in (("4", 8), ("12", 12), ("40", 16), ("", 16), ("none", 16)):
+        monkeypatch.setenv("RLSEQ_CPUS", share)
+        assert C.auto_procgen_threads() == threads, share
+
+
+def test_a_sweep_run_gets_its_share_of_the_cores_and_its_threads():
+    from rlseq.sweep import run_environment
+
+    env = run_environment({"threads": 2, "cpus": 6}, ["1"])
+    assert (env["OMP_NUM_THREADS"], env["RLSEQ_CPUS"], env["CUDA_VISIBLE_DEVICES"]) == ("2", "6", "1")
 
 
 def test_a_resume_states_a_changed_tf32_or_compiled_extractor_and_refuses_a_changed_learning_setting(
