@@ -69,8 +69,9 @@ class MemoryPPO(PPO):
     parameters and checkpoint keys are unchanged), acting and training alike, inside the CUDA graphs too. On an H100
     at the fast settings it made procgen training with the IMPALA CNN 12-20% faster without a memory and 4-18% with
     EFLA (the compiled code fuses what the eager CNN runs as separate kernels, its pooling's backward most of all:
-    ``docs/benchmarks.md``); on a CPU it only costs the compile. The first acting step and the first update each compile (tens of seconds).
-    Fused kernels round differently, so it is off by default; ``python -m rlseq.train --fast`` turns it on on a GPU.
+    ``docs/benchmarks.md``); on a CPU it only costs the compile. The first acting step and the first update each
+    compile (tens of seconds). Fused kernels round differently, so it is off by default; ``python -m rlseq.train
+    --fast`` turns it on on a GPU.
     It is saved with the model and applied when the policy is built: ``MemoryPPO.load(path,
     compile_extractor=False)`` changes it.
 
