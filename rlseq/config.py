@@ -639,6 +639,13 @@ def resolve(args: argparse.Namespace) -> dict[str, Any]:
     return cfg
 
 
+def config_file_value(args: argparse.Namespace, cfg: dict[str, Any], key: str) -> Any:
+    """``key`` as the ``--config`` file's entry for the resolved run ``cfg`` sets it (None without a file or key)."""
+    if not getattr(args, "config", None):
+        return None
+    return load_config(Path(args.config), cfg["env"], cfg["env_family"]).get(key)
+
+
 def asked(args: argparse.Namespace, flag: str) -> tuple[Any, str | None]:
     """The value of ``flag`` (a :data:`FLAG_TO_KEY` name) from the command line and the option that set it: the flag
     itself when given, else ``--fast``'s preset value, else ``(None, None)`` (the config decides)."""

@@ -45,6 +45,7 @@ from rlseq.config import (  # noqa: F401
     UsageError,
     _check_cuda_graph_train,
     asked,
+    config_file_value,
     memories,
     resolve,
 )
@@ -216,7 +217,8 @@ def train(args: argparse.Namespace) -> Path:
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = cfg["tf32"]
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     cfg["cuda_graph"] = cfg["cuda_graph"] and torch.device(device).type == "cuda"  # recorded as it runs
-    if torch.device(device).type != "cuda" and asked(args, "compile_extractor")[1] == "--fast":
+    if torch.device(device).type != "cuda" and asked(args, "compile_extractor")[1] == "--fast" \
+            and not config_file_value(args, cfg, "compile_extractor"):
         cfg["compile_extractor"] = False  # --fast's compiled CNN: measured faster on a GPU only (recorded as it runs)
     if torch.device(device).type != "cuda" and cfg["cuda_graph_train"] is True:
         cfg["cuda_graph_train"] = False  # a config's true on the CPU: nothing to capture (auto stays auto for a GPU)

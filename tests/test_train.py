@@ -826,9 +826,10 @@ def test_the_compiled_extractor_is_a_run_setting_saved_with_the_model_and_change
 
 def test_the_compiled_extractor_follows_the_command_on_resume_and_is_played_uncompiled(tmp_path, capsys,
                                                                                        monkeypatch):
-    """An explicit ``--compile-extractor`` holds on the CPU (only ``--fast``'s is dropped there); ``--resume`` builds
-    the policy with the resumed command's setting and states the change; ``rlseq.evaluate`` plays a model saved
-    with it uncompiled. ``nn.Module.compile`` is recorded instead of run (compiling takes half a minute here)."""
+    """An explicit ``--compile-extractor`` holds on the CPU, and so does a config file's beside ``--fast`` (only
+    ``--fast``'s own is dropped there); ``--resume`` builds the policy with the resumed command's setting and states
+    the change; ``rlseq.evaluate`` plays a model saved with it uncompiled. ``nn.Module.compile`` is recorded
+    instead of run (compiling takes half a minute here)."""
     import yaml
 
     from rlseq.evaluate import load_as_trained
@@ -848,6 +849,14 @@ def test_the_compiled_extractor_follows_the_command_on_resume_and_is_played_unco
     assert "note: compile_extractor was True in the run and is False from now on" in capsys.readouterr().err
     assert compiled == ["ImpalaCNN", "ImpalaCNN"]  # the second is MemoryPPO.load's above: the resume compiled nothing
     assert not yaml.safe_load((run / "config.yaml").read_text())["compile_extractor"]
+    # a config file that asks for it keeps it beside --fast, whose own compiled CNN is dropped on the CPU
+    config = tmp_path / "compile.yml"
+    config.write_text("procgen:\n  compile_extractor: true\n")
+    train_main(base + ["--total-steps", "32", "--seed", "1", "--fast", "--config", str(config)])
+    assert compiled == ["ImpalaCNN"] * 3
+    assert yaml.safe_load((run.with_name("seed1") / "config.yaml").read_text())["compile_extractor"]
+    train_main(base + ["--total-steps", "32", "--seed", "2", "--fast"])
+    assert compiled == ["ImpalaCNN"] * 3
     assert not MemoryPPO.load(run / "final_model.zip", device="cpu").compile_extractor
 
 
