@@ -849,6 +849,7 @@ def test_the_compiled_extractor_follows_the_command_on_resume_and_is_played_unco
     assert "note: compile_extractor was True in the run and is False from now on" in capsys.readouterr().err
     assert compiled == ["ImpalaCNN", "ImpalaCNN"]  # the second is MemoryPPO.load's above: the resume compiled nothing
     assert not yaml.safe_load((run / "config.yaml").read_text())["compile_extractor"]
+    assert not MemoryPPO.load(run / "final_model.zip", device="cpu").compile_extractor
     # a config file that asks for it keeps it beside --fast, whose own compiled CNN is dropped on the CPU
     config = tmp_path / "compile.yml"
     config.write_text("procgen:\n  compile_extractor: true\n")
@@ -857,7 +858,6 @@ def test_the_compiled_extractor_follows_the_command_on_resume_and_is_played_unco
     assert yaml.safe_load((run.with_name("seed1") / "config.yaml").read_text())["compile_extractor"]
     train_main(base + ["--total-steps", "32", "--seed", "2", "--fast"])
     assert compiled == ["ImpalaCNN"] * 3
-    assert not MemoryPPO.load(run / "final_model.zip", device="cpu").compile_extractor
 
 
 def test_num_threads_auto_is_the_usable_cores_within_8_and_16(monkeypatch):
