@@ -609,6 +609,26 @@ def test_probability_of_improvement_and_budget_check_on_synthetic_data():
     assert check.loc["gru", "gain"] == pytest.approx(0.0) and check.loc["gru", "flat"]
 
 
+def test_the_horizon_figure_gives_every_variant_its_own_colour_and_line(tmp_path, monkeypatch):
+    """Past ten variants matplotlib's colour cycle repeats; each row of the grid must still be told apart."""
+    from matplotlib.figure import Figure
+
+    variants = M.variants()
+    assert len(variants) > 10
+    summary = pd.DataFrame({"task": "rlseq/RepeatPreviousLag8-v0", "variant": variants, "n": 5,
+                            "iqm": np.linspace(-0.5, 1.0, len(variants)), "ci_low": -0.5, "ci_high": 1.0})
+    figures = []
+    save = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k))[1])
+    assert R.plot_horizon(summary, tmp_path / "horizon.png", variants) == tmp_path / "horizon.png"
+    handles, labels = figures[0].axes[0].get_legend_handles_labels()
+    # A row with one lag is a lone point: colour and marker must tell it apart, whatever its line style.
+    looks = {label: (h.lines[0].get_color(), h.lines[0].get_marker())
+             for h, label in zip(handles, labels) if label in variants}
+    assert sorted(looks) == sorted(variants)
+    assert len(set(looks.values())) == len(variants), looks
+
+
 def test_the_horizon_task_rewards_the_card_lag_steps_back_and_resets_clear_it():
     """rlseq/RepeatPreviousLagL-v0: an answer earns +1/(scored steps) when it names the card seen L steps before
     the current one and the negative otherwise; the first L steps are not scored; a new episode starts from an

@@ -310,6 +310,9 @@ def horizon_rows(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------------------------------------- figures
+HORIZON_MARKERS = ("o", "s", "^", "D", "v", "P")  # per variant of one memory, in variant_order
+
+
 def plot_horizon(summary: pd.DataFrame, path: str | Path, variants: list[str],
                  random: dict[str, dict[str, Any]] | None = None) -> Path | None:
     """Final return against lag (log2 axis) per variant, IQM with its 95% CI as error bars; None without
@@ -322,14 +325,26 @@ def plot_horizon(summary: pd.DataFrame, path: str | Path, variants: list[str],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from rlseq.compare.common import _base_memory, variant_order
+    from rlseq.compare.plots import variant_styles
+
+    shown = [v for v in variants if v in set(h["variant"])]
+    # The learning curves' colour per memory and line style per variant of it, and a marker per variant of a
+    # memory too: a row with one lag is a lone point, whose line style does not show (matplotlib's own cycle
+    # gave the eleventh row EFLA's blue).
+    styles = variant_styles(shown)
+    rank: dict[str, int] = {}
+    for v in variant_order(shown):
+        b = _base_memory(v)
+        styles[v]["marker"] = HORIZON_MARKERS[rank.setdefault(b, 0) % len(HORIZON_MARKERS)]
+        rank[b] += 1
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for i, v in enumerate([v for v in variants if v in set(h["variant"])]):
+    for i, v in enumerate(shown):
         d = h[h["variant"] == v]
         lo = (d["iqm"] - d["ci_low"]).clip(lower=0).fillna(0)
         hi = (d["ci_high"] - d["iqm"]).clip(lower=0).fillna(0)
-        style = "--" if v.endswith("-conv1") or v.startswith("sb3-") else "-"
         ax.errorbar(d["lag"].to_numpy() * (1 + 0.03 * (i - 3)), d["iqm"].to_numpy(),
-                    yerr=[lo.to_numpy(), hi.to_numpy()], label=v, linestyle=style, marker="o", capsize=3)
+                    yerr=[lo.to_numpy(), hi.to_numpy()], label=v, capsize=3, **styles[v])
     chance = [r["mean"] for t, r in (random or {}).items() if t in set(h["task"])]
     if chance:
         ax.axhline(float(np.mean(chance)), color="grey", linestyle=":", label="random actions")
