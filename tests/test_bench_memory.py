@@ -609,7 +609,7 @@ def test_probability_of_improvement_and_budget_check_on_synthetic_data():
     assert check.loc["gru", "gain"] == pytest.approx(0.0) and check.loc["gru", "flat"]
 
 
-def test_the_horizon_figure_gives_every_variant_its_own_colour_and_line(tmp_path, monkeypatch):
+def test_the_horizon_figure_gives_every_variant_its_own_colour_and_marker(tmp_path, monkeypatch):
     """Past ten variants matplotlib's colour cycle repeats; each row of the grid must still be told apart."""
     from matplotlib.figure import Figure
 

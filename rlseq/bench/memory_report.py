@@ -336,14 +336,16 @@ def plot_horizon(summary: pd.DataFrame, path: str | Path, variants: list[str],
     rank: dict[str, int] = {}
     for v in variant_order(shown):
         b = _base_memory(v)
-        styles[v]["marker"] = HORIZON_MARKERS[rank.setdefault(b, 0) % len(HORIZON_MARKERS)]
-        rank[b] += 1
+        k = rank.get(b, 0)
+        rank[b] = k + 1
+        styles[v]["marker"] = HORIZON_MARKERS[k % len(HORIZON_MARKERS)]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for i, v in enumerate(shown):
         d = h[h["variant"] == v]
         lo = (d["iqm"] - d["ci_low"]).clip(lower=0).fillna(0)
         hi = (d["ci_high"] - d["iqm"]).clip(lower=0).fillna(0)
-        ax.errorbar(d["lag"].to_numpy() * (1 + 0.03 * (i - 3)), d["iqm"].to_numpy(),
+        nudge = 1 + 0.03 * (i - (len(shown) - 1) / 2)  # side by side, centred on the lag
+        ax.errorbar(d["lag"].to_numpy() * nudge, d["iqm"].to_numpy(),
                     yerr=[lo.to_numpy(), hi.to_numpy()], label=v, capsize=3, **styles[v])
     chance = [r["mean"] for t, r in (random or {}).items() if t in set(h["task"])]
     if chance:
