@@ -186,6 +186,7 @@ def test_styles_consistent() -> None:
     assert a["efla"]["color"] == b["efla"]["color"] == compare.MEMORY_COLORS["efla"]
     assert b["efla-reward1e3"]["color"] == b["efla"]["color"]
     assert b["efla-reward1e3"]["linestyle"] != b["efla"]["linestyle"]
+    assert b["efla-reward1e3"]["marker"] != b["efla"]["marker"]  # a lone point shows no line style
     assert b["zzz"]["color"] not in compare.MEMORY_COLORS.values()
     assert compare.variant_order(b) == ["efla", "efla-reward1e3", "deltanet", "none", "zzz"]
 

@@ -310,9 +310,6 @@ def horizon_rows(summary: pd.DataFrame) -> pd.DataFrame:
 
 
 # ------------------------------------------------------------------------------------------------- figures
-HORIZON_MARKERS = ("o", "s", "^", "D", "v", "P")  # per variant of one memory, in variant_order
-
-
 def plot_horizon(summary: pd.DataFrame, path: str | Path, variants: list[str],
                  random: dict[str, dict[str, Any]] | None = None) -> Path | None:
     """Final return against lag (log2 axis) per variant, IQM with its 95% CI as error bars; None without
@@ -325,20 +322,12 @@ def plot_horizon(summary: pd.DataFrame, path: str | Path, variants: list[str],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rlseq.compare.common import _base_memory, variant_order
     from rlseq.compare.plots import variant_styles
 
     shown = [v for v in variants if v in set(h["variant"])]
-    # The learning curves' colour per memory and line style per variant of it, and a marker per variant of a
-    # memory too: a row with one lag is a lone point, whose line style does not show (matplotlib's own cycle
-    # gave the eleventh row EFLA's blue).
+    # The learning curves' styles: matplotlib's own cycle repeats past ten rows, and a row with one lag is a
+    # lone point, told apart by colour and marker.
     styles = variant_styles(shown)
-    rank: dict[str, int] = {}
-    for v in variant_order(shown):
-        b = _base_memory(v)
-        k = rank.get(b, 0)
-        rank[b] = k + 1
-        styles[v]["marker"] = HORIZON_MARKERS[k % len(HORIZON_MARKERS)]
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for i, v in enumerate(shown):
         d = h[h["variant"] == v]

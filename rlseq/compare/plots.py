@@ -18,10 +18,11 @@ from rlseq.compare.stats import _aggregate, _seed_curves
 MEMORY_COLORS = dict(zip(MEMORY_ORDER, ("#1f77b4", "#ff7f0e", "#2ca02c", "#7f7f7f")))
 _EXTRA_COLORS = ("#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 _LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (1, 3)))
+_MARKERS = ("o", "s", "^", "D", "v", "P")  # for a lone point, whose line style does not show
 
 
 def variant_styles(variants: Iterable[str]) -> dict[str, dict[str, Any]]:
-    """Colour by memory (fixed for efla/deltanet/lstm/none), line style by tag within a memory."""
+    """Colour by memory (fixed for efla/deltanet/lstm/none), line style and marker by tag within a memory."""
     ordered = variant_order(variants)
     extra_bases = [b for b in dict.fromkeys(_base_memory(v) for v in ordered) if b not in MEMORY_COLORS]
     colors = dict(MEMORY_COLORS)
@@ -32,7 +33,8 @@ def variant_styles(variants: Iterable[str]) -> dict[str, dict[str, Any]]:
         b = _base_memory(v)
         k = used.get(b, 0)
         used[b] = k + 1
-        styles[v] = {"color": colors[b], "linestyle": _LINESTYLES[k % len(_LINESTYLES)]}
+        styles[v] = {"color": colors[b], "linestyle": _LINESTYLES[k % len(_LINESTYLES)],
+                     "marker": _MARKERS[k % len(_MARKERS)]}
     return styles
 
 
@@ -88,7 +90,7 @@ def plot_curves(
         raise ValueError(f"panels must be 'env' or 'condition', got {panels!r}")
     if panels == "condition":
         d_all = d_all.assign(env=d_all["env"] + d_all["variant"].map(lambda v: f": {_tag(v)}" if _tag(v) else ""))
-        styles = {v: {"color": MEMORY_COLORS.get(_base_memory(v), _EXTRA_COLORS[0]), "linestyle": "-"}
+        styles = {v: {"color": MEMORY_COLORS.get(_base_memory(v), _EXTRA_COLORS[0]), "linestyle": "-", "marker": "o"}
                   for v in d_all["variant"].unique()}
     else:
         styles = variant_styles(d_all["variant"].unique())
@@ -113,7 +115,7 @@ def plot_curves(
             lo_n, hi_n = n_seeds.loc[variant]
             name = _base_memory(variant) if panels == "condition" else variant
             label = f"{name} (n={lo_n})" if lo_n == hi_n else f"{name} (n={lo_n}–{hi_n})"
-            marker = "o" if len(grid) == 1 else None
+            marker = st["marker"] if len(grid) == 1 else None
             (line,) = ax.plot(grid, centre, color=st["color"], linestyle=st["linestyle"], lw=1.8,
                               marker=marker, label=label)
             if np.isfinite(lo).any():
@@ -167,7 +169,7 @@ def plot_diagnostics(df: pd.DataFrame, path: str | Path, *, n_points: int = 100)
                 centre, lo, hi = _aggregate(vals, "mean-minmax", 0, 0)
                 st = styles[variant]
                 (line,) = ax.plot(grid, centre, color=st["color"], linestyle=st["linestyle"], lw=1.5,
-                                  marker="o" if len(grid) == 1 else None)
+                                  marker=st["marker"] if len(grid) == 1 else None)
                 if vals.shape[0] > 1:
                     ax.fill_between(grid, lo, hi, color=st["color"], alpha=0.15, lw=0)
                 handles[variant] = line
