@@ -610,7 +610,9 @@ def test_probability_of_improvement_and_budget_check_on_synthetic_data():
 
 
 def test_the_horizon_figure_gives_every_variant_its_own_colour_and_marker(tmp_path, monkeypatch):
-    """Past ten variants matplotlib's colour cycle repeats; each row of the grid must still be told apart."""
+    """Past ten variants matplotlib's colour cycle repeats; each row of the grid must still be told apart, and
+    from the chance line."""
+    from matplotlib.colors import to_rgb
     from matplotlib.figure import Figure
 
     variants = M.variants()
@@ -620,13 +622,18 @@ def test_the_horizon_figure_gives_every_variant_its_own_colour_and_marker(tmp_pa
     figures = []
     save = Figure.savefig
     monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), save(fig, *a, **k))[1])
-    assert R.plot_horizon(summary, tmp_path / "horizon.png", variants) == tmp_path / "horizon.png"
+    chance = {"rlseq/RepeatPreviousLag8-v0": {"mean": -0.5}}
+    assert R.plot_horizon(summary, tmp_path / "horizon.png", variants, chance) == tmp_path / "horizon.png"
     handles, labels = figures[0].axes[0].get_legend_handles_labels()
     # A row with one lag is a lone point: colour and marker must tell it apart, whatever its line style.
     looks = {label: (h.lines[0].get_color(), h.lines[0].get_marker())
              for h, label in zip(handles, labels) if label in variants}
     assert sorted(looks) == sorted(variants)
     assert len(set(looks.values())) == len(variants), looks
+    # and the chance line is none of them (`none` is grey)
+    (level,) = [h for h, label in zip(handles, labels) if label == "random actions"]
+    assert all(max(abs(a - b) for a, b in zip(to_rgb(level.get_color()), to_rgb(colour))) > 0.25
+               for colour, _ in looks.values())
 
 
 def test_the_horizon_task_rewards_the_card_lag_steps_back_and_resets_clear_it():

@@ -516,8 +516,10 @@ def test_payload_checksum_failure_is_counted(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("seeds", [1, 2])
 def test_the_curves_show_a_reference_level_and_do_not_call_one_seed_a_spread(tmp_path, monkeypatch, seeds):
-    """``references`` draws a dotted level per panel (the memory report's random actions); a figure of one seed
-    per variant says so instead of "mean ± std across seeds"."""
+    """``references`` draws a dotted level per panel (the memory report's random actions), in a colour no variant
+    has (``none`` is grey); a figure of one seed per variant says so instead of "mean ± std across seeds"."""
+    from matplotlib.colors import to_rgb
+
     from rlseq.compare import plots
 
     shown = {}
@@ -525,11 +527,17 @@ def test_the_curves_show_a_reference_level_and_do_not_call_one_seed_a_spread(tmp
     def keep(fig, handles, path):
         shown.update(title=fig._suptitle.get_text(), labels=list(handles),
                      levels=[line.get_ydata()[0] for ax in fig.axes for line in ax.get_lines()
-                             if line.get_label() == "random actions"])
+                             if line.get_label() == "random actions"],
+                     colours={(line.get_label(), to_rgb(line.get_color())) for ax in fig.axes
+                              for line in ax.get_lines()})
 
     monkeypatch.setattr(plots, "_finish", keep)
-    rows = [{"env": env, "variant": "efla", "seed": s, "step": step, "tag": compare.DEFAULT_METRIC, "value": float(step)}
-            for env in ("A", "B") for s in range(seeds) for step in (0, 10, 20)]
+    rows = [{"env": env, "variant": variant, "seed": s, "step": step, "tag": compare.DEFAULT_METRIC,
+             "value": float(step)} for env in ("A", "B") for variant in ("efla", "none") for s in range(seeds) for step in (0, 10, 20)]
     plots.plot_curves(pd.DataFrame(rows), tmp_path / "c.png", references={"A": -0.5})
     assert "random actions" in shown["labels"] and shown["levels"] == [-0.5]  # panel A only
+    (chance,) = {c for label, c in shown["colours"] if label == "random actions"}
+    # told apart by eye: grey (#808080) against `none`'s #7f7f7f would differ as strings and not on the page
+    assert all(max(abs(a - b) for a, b in zip(chance, c)) > 0.25
+               for label, c in shown["colours"] if label != "random actions")
     assert shown["title"].endswith("one seed" if seeds == 1 else "mean ± std across seeds")

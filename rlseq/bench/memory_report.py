@@ -322,7 +322,7 @@ def plot_horizon(summary: pd.DataFrame, path: str | Path, variants: list[str],
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from rlseq.compare.plots import variant_styles
+    from rlseq.compare.plots import REFERENCE_COLOR, variant_styles
 
     shown = [v for v in variants if v in set(h["variant"])]
     # The learning curves' styles: matplotlib's own cycle repeats past ten rows, and a row with one lag is a
@@ -338,7 +338,7 @@ def plot_horizon(summary: pd.DataFrame, path: str | Path, variants: list[str],
                     yerr=[lo.to_numpy(), hi.to_numpy()], label=v, capsize=3, **styles[v])
     chance = [r["mean"] for t, r in (random or {}).items() if t in set(h["task"])]
     if chance:
-        ax.axhline(float(np.mean(chance)), color="grey", linestyle=":", label="random actions")
+        ax.axhline(float(np.mean(chance)), color=REFERENCE_COLOR, linestyle=":", label="random actions")
     ax.axvspan(0.7, 3.5, color="tab:blue", alpha=0.08, label="inside the width-4 window")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("lag L: the card to name was seen L steps ago")

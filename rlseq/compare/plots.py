@@ -19,6 +19,8 @@ MEMORY_COLORS = dict(zip(MEMORY_ORDER, ("#1f77b4", "#ff7f0e", "#2ca02c", "#7f7f7
 _EXTRA_COLORS = ("#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 _LINESTYLES = ("-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (1, 3)))
 _MARKERS = ("o", "s", "^", "D", "v", "P")  # for a lone point, whose line style does not show
+# reference levels (chance): black, since `none` is grey and every other colour may be a memory's
+REFERENCE_COLOR = "black"
 
 
 def variant_styles(variants: Iterable[str]) -> dict[str, dict[str, Any]]:
@@ -122,7 +124,7 @@ def plot_curves(
                 ax.fill_between(grid, lo, hi, color=st["color"], alpha=0.18, lw=0)
             handles[label] = line
         if references and env in references:
-            handles[reference_label] = ax.axhline(references[env], color="grey", linestyle=":", lw=1.2,
+            handles[reference_label] = ax.axhline(references[env], color=REFERENCE_COLOR, linestyle=":", lw=1.2,
                                                   label=reference_label)
         ax.set_title(env)
         ax.set_ylabel("return" if metric == DEFAULT_METRIC else metric)
