@@ -284,7 +284,8 @@ def test_relative_to_baseline_pairs_variants_by_tag() -> None:
         _finals({"efla-a": [1.0, 4.0, 2.0], "deltanet-a": [2.0, 3.0], "efla-r": x6, "deltanet-r": y6}), "deltanet",
         reps=500)
     cols = ["ratio_ci_low", "ratio_ci_high", "p_ci_low", "p_ci_high"]
-    assert crowded.set_index("variant").loc["efla-r", cols].tolist() == alone.set_index("variant").loc["efla-r", cols].tolist()
+    row = lambda table: table.set_index("variant").loc["efla-r", cols].tolist()  # noqa: E731
+    assert row(crowded) == row(alone)
 
 
 def test_diagnostics_summary_peaks_and_tail() -> None:
@@ -533,7 +534,8 @@ def test_the_curves_show_a_reference_level_and_do_not_call_one_seed_a_spread(tmp
 
     monkeypatch.setattr(plots, "_finish", keep)
     rows = [{"env": env, "variant": variant, "seed": s, "step": step, "tag": compare.DEFAULT_METRIC,
-             "value": float(step)} for env in ("A", "B") for variant in ("efla", "none") for s in range(seeds) for step in (0, 10, 20)]
+             "value": float(step)}
+            for env in ("A", "B") for variant in ("efla", "none") for s in range(seeds) for step in (0, 10, 20)]
     plots.plot_curves(pd.DataFrame(rows), tmp_path / "c.png", references={"A": -0.5})
     assert "random actions" in shown["labels"] and shown["levels"] == [-0.5]  # panel A only
     (chance,) = {c for label, c in shown["colours"] if label == "random actions"}
