@@ -271,7 +271,7 @@ def test_the_grid_is_seed_major_and_trains_the_anchor_with_sb3_contrib():
     assert anchor.folder("logs") == Path("logs") / T1 / "sb3-lstm" / "seed0"
     argv = anchor.train_argv("logs", device="cpu", extra=["--n-envs", "4"])
     assert argv[:6] == ["--env", T1, "--memory", "lstm", "--algo", "sb3-recurrent-ppo"]
-    assert argv[-4:] == ["--n-envs", "4", "--resume", "--no-progress-bar"]
+    assert argv[-3:] == ["--n-envs", "4", "--resume"]
     assert runs[2].steps == 200 and runs[0].folder("logs") == Path("logs") / T1 / "efla" / "seed0"
     # every argv is one the training CLI takes
     from rlseq.train import build_parser, resolve
@@ -693,6 +693,35 @@ def test_the_horizon_task_rewards_the_card_lag_steps_back_and_resets_clear_it():
     assert full["steps"][T1] == M.TASK_STEPS.get(T1, M.DEFAULT_STEPS) and full["logdir"] == Path("runs/bench")
     with pytest.raises(SystemExit, match="unknown variant"):
         M.resolve_grid(parser.parse_args(["--variants", "transformer"]))
+
+
+def test_a_running_trainers_progress_lines_count_between_checkpoints(tmp_path):
+    """The grid's progress bar reads a running trainer's last progress line; a resume keeps only the checkpoint,
+    so lines of a trainer that started before the grid, or of an earlier section, do not count."""
+    logdir = tmp_path / "runs"
+    (run,) = M.build_grid([T1], ["efla"], [0], {T1: 10_000})
+    folder = run.folder(logdir)
+    (folder / "checkpoints" / "step2000").mkdir(parents=True)
+    (folder / "checkpoints" / "step2000" / "model.zip").write_bytes(b"")
+    (folder / "checkpoints" / "latest").write_text("step2000\n")
+    log = folder / "train.log"
+    log.write_text("\n=== 2026-01-01 10:00:00 python -m rlseq.train ...\n"
+                   "2,048/10,000 env steps (20%), 300 env-steps/s, 27s left, return -0.5\n"
+                   "3,072/10,000 env steps (31%), 300 env-steps/s, 23s left, return -0.4\n")
+    assert M.trained_steps(run, logdir) == 2000  # what a resume keeps
+    assert M.trained_steps(run, logdir, since="2026-01-01 09:59:59") == 3072
+    assert M.trained_steps(run, logdir, since="2026-01-01 10:00:01") == 2000  # a trainer of before the grid
+    with log.open("a") as f:  # restarted from the checkpoint: the steps past it are gone until reached again
+        f.write("\n=== 2026-01-01 10:05:00 python -m rlseq.train ...\nmeasured 310 env-steps/s ...\n")
+    assert M.trained_steps(run, logdir, since="2026-01-01 10:04:00") == 2000
+    with log.open("a") as f:
+        f.write("2,560/10,000 env steps (26%), 310 env-steps/s, 24s left, return -0.4\n" * 3000)  # past the tail
+        f.write("4,096/10,000 env steps (41%), 310 env-steps/s, 19s left, return -0.3\n")
+    assert M.trained_steps(run, logdir, since="2026-01-01 10:04:00") == 2000  # section head outside the read tail
+    log.write_text(log.read_text()[-2000:].replace("2,560/", "\n=== 2026-01-01 10:05:00 x\n2,560/", 1))
+    assert M.trained_steps(run, logdir, since="2026-01-01 10:04:00") == 4096
+    (folder / "final_model.zip").write_bytes(b"")
+    assert M.trained_steps(run, logdir, since="2026-01-01 10:04:00") == 10_000
 
 
 def test_finished_runs_are_skipped_and_interrupted_ones_resume(tmp_path, capsys):

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -90,7 +91,7 @@ QUICK = {"tasks": ("rlseq/RepeatPreviousLag2-v0", "rlseq/RepeatPreviousLag8-v0",
          "variants": ("efla", "gru", "none"), "seeds": (0,), "steps": DEFAULT_STEPS}
 DEFAULT_OUT = "runs/memory_benchmark"  # the published report is --out docs/memory_benchmark
 QUICK_OUT = "runs/memory_benchmark_quick"
-CHECKPOINTS_PER_RUN = 10  # resume granularity, and the progress bar's between the ends of runs
+CHECKPOINTS_PER_RUN = 10  # resume granularity
 EVAL_ENVS = 16
 
 
@@ -141,7 +142,7 @@ class BenchRun:
         return ["--env", self.task, "--memory", memory, "--algo", algo, "--seed", str(self.seed),
                 "--logdir", str(logdir), "--total-steps", str(self.steps),
                 "--checkpoint-every", str(max(1, self.steps // CHECKPOINTS_PER_RUN)), "--device", device,
-                *flags, *(["--tag", tag] if tag else []), *extra, "--resume", "--no-progress-bar"]
+                *flags, *(["--tag", tag] if tag else []), *extra, "--resume"]
 
     def _train_settings(self) -> tuple[str, str, list[str], str | None]:
         """(memory, algo, extra train flags, tag) of the variant."""
@@ -325,15 +326,43 @@ def is_done(run: BenchRun, out: Path) -> bool:
     return run_paths(out, run.task, run.variant, run.seed)["result"].exists()
 
 
-def trained_steps(run: BenchRun, logdir: Path) -> int:
-    """Env steps the run has behind it: its budget when finished, else its newest checkpoint's."""
+# train.log: rlseq.sweep._train_once heads each trainer's section with "=== <start time> <argv>", and the trainer's
+# progress line (rlseq.callbacks.Progress, every 30 s) reads "12,288/500,000 env steps (2%), ..."
+_SECTION = re.compile(r"^=== (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) ", re.MULTILINE)
+_PROGRESS_LINE = re.compile(r"^(\d[\d,]*)/[\d,]+ env steps \(", re.MULTILINE)
+_LOG_TAIL_BYTES = 65_536
+
+
+def logged_steps(folder: Path, since: str) -> int:
+    """The env steps of the last progress line in ``folder``'s train.log, if the trainer that printed it started
+    at or after ``since`` (``%Y-%m-%d %H:%M:%S``, local time); else 0. A trainer stopped and restarted from its
+    checkpoint starts a new section, so the steps past that checkpoint, which the restart does not keep, are
+    not counted."""
+    try:
+        with open(folder / "train.log", "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return 0
+    sections = list(_SECTION.finditer(text))
+    if not sections or sections[-1].group(1) < since:
+        return 0
+    found = _PROGRESS_LINE.findall(text, sections[-1].end())
+    return int(found[-1].replace(",", "")) if found else 0
+
+
+def trained_steps(run: BenchRun, logdir: Path, *, since: str | None = None) -> int:
+    """Env steps the run has behind it: its budget when finished, else its newest checkpoint's (what a resume
+    keeps). With ``since``, the newer of that and of the last progress line of a trainer started at or after
+    ``since`` (checkpoints come ten to a run; the lines, every 30 s, keep a grid's progress bar and rate current)."""
     from rlseq.checkpoint import latest_checkpoint
 
     folder = run.folder(logdir)
     if (folder / "final_model.zip").exists():
         return run.steps
     ckpt = latest_checkpoint(folder / "checkpoints")
-    return min(run.steps, int(ckpt.name[len("step"):])) if ckpt is not None else 0
+    steps = int(ckpt.name[len("step"):]) if ckpt is not None else 0
+    return min(run.steps, max(steps, logged_steps(folder, since)) if since is not None else steps)
 
 
 def budget_conflicts(runs: list[BenchRun], out: Path, logdir: Path) -> list[str]:
@@ -647,9 +676,10 @@ def execute(runs: list[BenchRun], out: Path, logdir: Path, *, jobs: int, episode
                  "paths": {k: str(v) for k, v in run_paths(out, r.task, r.variant, r.seed).items()},
                  "episodes": episodes, "device": device, "versions": ver} for r in todo}
     finished = {r for r in runs if r not in specs}
+    started = time.strftime("%Y-%m-%d %H:%M:%S")  # the trainers' train.log sections from here on are this grid's
 
     def progress() -> int:
-        return sum(r.steps if r in finished else trained_steps(r, logdir) for r in runs)
+        return sum(r.steps if r in finished else trained_steps(r, logdir, since=started) for r in runs)
 
     # weighted by env steps: a run's share of the ETA is its budget
     bar = tqdm(total=sum(r.steps for r in runs), initial=progress(), unit="step", unit_scale=True, smoothing=0,
