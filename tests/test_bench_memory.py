@@ -695,9 +695,26 @@ def test_the_horizon_task_rewards_the_card_lag_steps_back_and_resets_clear_it():
         M.resolve_grid(parser.parse_args(["--variants", "transformer"]))
 
 
+def _progress_lines(steps: list[int], total: int) -> str:
+    """What rlseq.train's Progress prints into train.log (not a terminal) at each of ``steps``."""
+    import contextlib
+    import io
+
+    from rlseq.callbacks import Progress
+
+    progress = Progress(total, on_cpu=True)
+    progress.tty, progress.t0, progress.n0 = False, 0.0, 0
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        for n in steps:
+            progress.model = types.SimpleNamespace(num_timesteps=n, ep_info_buffer=[])
+            progress._line(10.0)
+    return buf.getvalue()
+
+
 def test_a_running_trainers_progress_lines_count_between_checkpoints(tmp_path):
     """The grid's progress bar reads a running trainer's last progress line; a resume keeps only the checkpoint,
-    so lines of a trainer that started before the grid, or of an earlier section, do not count."""
+    so lines of a log last written before the grid started, or of a trainer since restarted, do not count."""
     logdir = tmp_path / "runs"
     (run,) = M.build_grid([T1], ["efla"], [0], {T1: 10_000})
     folder = run.folder(logdir)
@@ -705,23 +722,19 @@ def test_a_running_trainers_progress_lines_count_between_checkpoints(tmp_path):
     (folder / "checkpoints" / "step2000" / "model.zip").write_bytes(b"")
     (folder / "checkpoints" / "latest").write_text("step2000\n")
     log = folder / "train.log"
-    log.write_text("\n=== 2026-01-01 10:00:00 python -m rlseq.train ...\n"
-                   "2,048/10,000 env steps (20%), 300 env-steps/s, 27s left, return -0.5\n"
-                   "3,072/10,000 env steps (31%), 300 env-steps/s, 23s left, return -0.4\n")
+    log.write_text("\n=== 2026-01-01 10:00:00 python -m rlseq.train ...\n" + _progress_lines([2048, 3072], 10_000))
+    os.utime(log, (1000.0, 1000.0))
     assert M.trained_steps(run, logdir) == 2000  # what a resume keeps
-    assert M.trained_steps(run, logdir, since="2026-01-01 09:59:59") == 3072
-    assert M.trained_steps(run, logdir, since="2026-01-01 10:00:01") == 2000  # a trainer of before the grid
+    assert M.trained_steps(run, logdir, since=999.0) == 3072
+    assert M.trained_steps(run, logdir, since=1001.0) == 2000  # a trainer of before the grid
     with log.open("a") as f:  # restarted from the checkpoint: the steps past it are gone until reached again
         f.write("\n=== 2026-01-01 10:05:00 python -m rlseq.train ...\nmeasured 310 env-steps/s ...\n")
-    assert M.trained_steps(run, logdir, since="2026-01-01 10:04:00") == 2000
+    assert M.trained_steps(run, logdir, since=1001.0) == 2000
     with log.open("a") as f:
-        f.write("2,560/10,000 env steps (26%), 310 env-steps/s, 24s left, return -0.4\n" * 3000)  # past the tail
-        f.write("4,096/10,000 env steps (41%), 310 env-steps/s, 19s left, return -0.3\n")
-    assert M.trained_steps(run, logdir, since="2026-01-01 10:04:00") == 2000  # section head outside the read tail
-    log.write_text(log.read_text()[-2000:].replace("2,560/", "\n=== 2026-01-01 10:05:00 x\n2,560/", 1))
-    assert M.trained_steps(run, logdir, since="2026-01-01 10:04:00") == 4096
+        f.write(_progress_lines([2560] * 2000 + [4096], 10_000))  # the section's head is now past the read tail
+    assert M.trained_steps(run, logdir, since=1001.0) == 4096
     (folder / "final_model.zip").write_bytes(b"")
-    assert M.trained_steps(run, logdir, since="2026-01-01 10:04:00") == 10_000
+    assert M.trained_steps(run, logdir, since=1001.0) == 10_000
 
 
 def test_finished_runs_are_skipped_and_interrupted_ones_resume(tmp_path, capsys):

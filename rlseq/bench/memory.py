@@ -326,35 +326,34 @@ def is_done(run: BenchRun, out: Path) -> bool:
     return run_paths(out, run.task, run.variant, run.seed)["result"].exists()
 
 
-# train.log: rlseq.sweep._train_once heads each trainer's section with "=== <start time> <argv>", and the trainer's
-# progress line (rlseq.callbacks.Progress, every 30 s) reads "12,288/500,000 env steps (2%), ..."
-_SECTION = re.compile(r"^=== (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d) ", re.MULTILINE)
+# the trainer's progress line in train.log (rlseq.callbacks.Progress, every 30 s): "12,288/500,000 env steps (2%), ..."
 _PROGRESS_LINE = re.compile(r"^(\d[\d,]*)/[\d,]+ env steps \(", re.MULTILINE)
 _LOG_TAIL_BYTES = 65_536
 
 
-def logged_steps(folder: Path, since: str) -> int:
-    """The env steps of the last progress line in ``folder``'s train.log, if the trainer that printed it started
-    at or after ``since`` (``%Y-%m-%d %H:%M:%S``, local time); else 0. A trainer stopped and restarted from its
-    checkpoint starts a new section, so the steps past that checkpoint, which the restart does not keep, are
-    not counted."""
+def logged_steps(folder: Path, since: float) -> int:
+    """The env steps of the last progress line of the trainer writing ``folder``'s train.log, if the log was
+    written at or after ``since`` (a ``time.time()``); else 0. Each trainer's output starts after a ``=== `` line
+    (rlseq.sweep._train_once), so the lines of a stopped trainer, whose steps past its checkpoint a restart does
+    not keep, are not counted."""
+    log = folder / "train.log"
     try:
-        with open(folder / "train.log", "rb") as f:
+        if log.stat().st_mtime < since:
+            return 0
+        with open(log, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
             text = f.read().decode(errors="replace")
     except OSError:
         return 0
-    sections = list(_SECTION.finditer(text))
-    if not sections or sections[-1].group(1) < since:
-        return 0
-    found = _PROGRESS_LINE.findall(text, sections[-1].end())
+    found = _PROGRESS_LINE.findall(text, text.rfind("\n=== ") + 1)
     return int(found[-1].replace(",", "")) if found else 0
 
 
-def trained_steps(run: BenchRun, logdir: Path, *, since: str | None = None) -> int:
+def trained_steps(run: BenchRun, logdir: Path, *, since: float | None = None) -> int:
     """Env steps the run has behind it: its budget when finished, else its newest checkpoint's (what a resume
-    keeps). With ``since``, the newer of that and of the last progress line of a trainer started at or after
-    ``since`` (checkpoints come ten to a run; the lines, every 30 s, keep a grid's progress bar and rate current)."""
+    keeps). With ``since``, the newer of that and of the last progress line of a trainer whose log was written at
+    or after ``since`` (checkpoints come ten to a run; the lines, every 30 s, keep a grid's progress bar and rate
+    current)."""
     from rlseq.checkpoint import latest_checkpoint
 
     folder = run.folder(logdir)
@@ -676,7 +675,7 @@ def execute(runs: list[BenchRun], out: Path, logdir: Path, *, jobs: int, episode
                  "paths": {k: str(v) for k, v in run_paths(out, r.task, r.variant, r.seed).items()},
                  "episodes": episodes, "device": device, "versions": ver} for r in todo}
     finished = {r for r in runs if r not in specs}
-    started = time.strftime("%Y-%m-%d %H:%M:%S")  # the trainers' train.log sections from here on are this grid's
+    started = time.time()  # train.logs written from here on are this grid's trainers'
 
     def progress() -> int:
         return sum(r.steps if r in finished else trained_steps(r, logdir, since=started) for r in runs)
