@@ -284,7 +284,9 @@ def test_relative_to_baseline_pairs_variants_by_tag() -> None:
         _finals({"efla-a": [1.0, 4.0, 2.0], "deltanet-a": [2.0, 3.0], "efla-r": x6, "deltanet-r": y6}), "deltanet",
         reps=500)
     cols = ["ratio_ci_low", "ratio_ci_high", "p_ci_low", "p_ci_high"]
-    row = lambda table: table.set_index("variant").loc["efla-r", cols].tolist()  # noqa: E731
+
+    def row(table):
+        return table.set_index("variant").loc["efla-r", cols].tolist()
     assert row(crowded) == row(alone)
 
 
