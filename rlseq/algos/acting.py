@@ -61,6 +61,7 @@ class ActingStep:
         self._policy_obs: dict[str | None, torch.Tensor] = {}  # in the policy's layout: what the graph reads
         self._starts: torch.Tensor | None = None
         self._starts_host: torch.Tensor | None = None
+        self._finite_host: torch.Tensor | None = None  # the step's all-finite flag, on the host (pinned on a GPU)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._graph_key: tuple | None = None
         # the parameters as objects, listed once: walking the modules for them took 140-190 us a step on a busy
@@ -86,6 +87,7 @@ class ActingStep:
                 self._policy_obs[k] = self._arrive[k]
         self._starts_host = torch.zeros(n_envs, dtype=torch.bool, pin_memory=pin)
         self._starts = torch.zeros(n_envs, dtype=torch.bool, device=self.device)
+        self._finite_host = torch.zeros((), dtype=torch.bool, pin_memory=pin)
 
     def _stage(self, obs: np.ndarray | dict[str, np.ndarray], episode_starts: np.ndarray, hwc: bool) -> None:
         entries = dict(obs) if isinstance(obs, dict) else {None: obs}
@@ -128,6 +130,11 @@ class ActingStep:
         else:
             with torch.no_grad():
                 actions, values, log_probs, finite = self.policy.act(self._obs, state, self._starts)
+        if self.device.type == "cuda":
+            # the flag's copy waits for nothing; the actions' copy below waits for the stream, so for it too: one
+            # host-device sync a step instead of two
+            self._finite_host.copy_(finite, non_blocking=True)
+            finite = self._finite_host
         actions_np = actions.cpu().numpy()  # the sync point of the step
         if not bool(finite):
             self.policy.memory.check_finite(state, where=where)  # names the environments when the memory is at fault

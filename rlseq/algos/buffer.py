@@ -89,10 +89,12 @@ class SequenceRolloutBuffer:
         self.pos += 1
 
     def add_rewards(self, rewards: torch.Tensor) -> None:
-        """The rewards ``[n_envs]`` of the step stored last by :meth:`add_step`."""
+        """The rewards ``[n_envs]`` of the step stored last by :meth:`add_step`. From pinned host memory the copy
+        is asynchronous: leave ``rewards`` unchanged until the device has run it (the rollout loop's next acting
+        step synchronises before the loop writes the next rewards there)."""
         if self.pos != self.rewards_pos + 1:
             raise RuntimeError("add_rewards() must follow add_step(), once per step")
-        self.rewards[self.rewards_pos].copy_(rewards)
+        self.rewards[self.rewards_pos].copy_(rewards, non_blocking=True)
         self.rewards_pos += 1
 
     @property

@@ -251,6 +251,8 @@ class MemoryPPO(PPO):
         venv = env if transposer is None else transposer.venv
         stand_in = terminal_observation_is_last_seen(venv)
         obs, phase = _channels_last(self._last_obs, transposer), self.phases
+        # the rewards go up from pinned memory without a sync (pageable memory would wait for the device each step)
+        rewards_host = torch.empty(self.n_envs, dtype=torch.float32, pin_memory=self.device.type == "cuda")
         for n_steps in range(n_rollout_steps):
             with phase("act"):
                 step, clipped = self._act(obs, f"acting at env step {self.num_timesteps}", transposer is not None)
@@ -273,7 +275,8 @@ class MemoryPPO(PPO):
                 rewards = self._bootstrap_truncated(rewards, dones, infos if transposer is None else
                                                     _transposed_terminals(infos, dones, transposer))
             with phase("buffer"):
-                rollout_buffer.add_rewards(torch.as_tensor(rewards, device=self.device, dtype=torch.float32))
+                rewards_host.numpy()[...] = rewards
+                rollout_buffer.add_rewards(rewards_host)
             obs, self._last_episode_starts = new_obs, dones
         self._last_obs = _sb3_layout(obs, transposer)
         starts = torch.as_tensor(self._last_episode_starts, device=self.device).bool()
