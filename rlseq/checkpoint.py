@@ -237,7 +237,7 @@ def checkpoint_problem(folder: Path) -> str | None:
         if (folder / name).stat().st_size != size:
             return f"{folder / name} is unreadable (truncated: {(folder / name).stat().st_size} of {size} bytes)"
     checks = [("model.zip", _check_zip), ("rng.pt", lambda p: torch.load(p, weights_only=False)),
-              ("vecnormalize.pkl", _check_pickle)]
+              ("vecnormalize.pkl", _check_pickle), ("config.yaml", _check_settings)]
     for name, check in checks:
         path = folder / name
         if not path.exists():
@@ -247,6 +247,16 @@ def checkpoint_problem(folder: Path) -> str | None:
         except Exception as e:  # noqa: BLE001  (any failure to read the file makes the checkpoint unusable)
             return f"{path} is unreadable ({e.__class__.__name__}: {e})"
     return None
+
+
+def _check_settings(path: Path) -> None:
+    """A checkpoint's ``config.yaml`` must load as a mapping: a resume compares the run's settings with it (a file
+    of the right size can still be zeros after a power loss)."""
+    import yaml
+
+    settings = yaml.safe_load(path.read_text())
+    if not isinstance(settings, dict):
+        raise ValueError(f"a {type(settings).__name__}, not a mapping of settings")
 
 
 def _meta_shape_problem(meta: Any) -> str | None:

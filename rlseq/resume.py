@@ -50,22 +50,61 @@ RESUME_FREE_KEYS = frozenset({"n_timesteps", "checkpoint_every", "verbose", "dev
 RESUME_STATED_KEYS = ("tf32", "compile_extractor")
 
 
+def _run_settings(path: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """A ``config.yaml``'s settings, or None and why it cannot serve (missing, not YAML, not a mapping)."""
+    if not path.is_file():
+        return None, "is missing"
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        return None, f"is unreadable ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+    if not isinstance(saved, dict):
+        return None, f"holds a {type(saved).__name__}, not a mapping of settings"
+    return saved, None
+
+
+def keep_run_budget(args: argparse.Namespace, cfg: dict[str, Any], folder: Path) -> None:
+    """On ``--resume``: the run's budget and checkpoint interval stay its own unless ``--total-steps`` /
+    ``--checkpoint-every`` (or the ``--config`` file) set them, instead of falling back to the family's defaults
+    (a run of 8,192 steps would otherwise go on to 1,000,000 with a checkpoint every 100,000). Says what it keeps
+    when that differs from the defaults."""
+    from rlseq.config import config_file_value
+
+    saved, _ = _run_settings(folder / "config.yaml")  # a bad or missing file: refuse_changed_settings says so
+    if saved is None:
+        return
+    kept = []
+    for flag, key in (("total_steps", "n_timesteps"), ("checkpoint_every", "checkpoint_every")):
+        if asked(args, flag)[0] is None and config_file_value(args, cfg, key) is None and key in saved \
+                and saved[key] != cfg.get(key):
+            cfg[key] = saved[key]
+            kept.append(f"{key} {saved[key]:,}" if isinstance(saved[key], int) else f"{key} {saved[key]!r}")
+    if kept:
+        print(f"note: --resume keeps the run's {' and '.join(kept)} (--total-steps and --checkpoint-every change "
+              "them)", file=sys.stderr, flush=True)
+
+
 def refuse_changed_settings(cfg: dict[str, Any], folder: Path, checkpoint: Path) -> None:
     """On ``--resume`` from ``checkpoint``: refuse a setting that differs from the run's ``config.yaml`` (or, when
-    that is gone, the copy saved with the checkpoint), listing every difference (a key the older file lacks is not
-    compared); refuse when there is neither, since nothing would stop any change."""
+    that is missing or unreadable, the copy saved with the checkpoint), listing every difference; refuse when there
+    is neither, since nothing would stop any change. A scalar key the older file lacks is not compared (a setting
+    newer than the run); a mapping or list missing on one side is compared as empty (``policy_kwargs`` given now
+    and not in the run, or the other way round, is a change)."""
     path = folder / "config.yaml"
-    if not path.exists():
-        if not (checkpoint / "config.yaml").is_file():
-            raise UsageError(f"--resume: {path} is missing and checkpoint {checkpoint} holds no copy of the run's "
+    saved, why = _run_settings(path)
+    if saved is None:
+        copy = checkpoint / "config.yaml"
+        if not copy.is_file():
+            raise UsageError(f"--resume: {path} {why} and checkpoint {checkpoint} holds no copy of the run's "
                              "settings, so changed flags could not be refused; put the run's config.yaml back, or "
                              "start a new run with another --tag")
-        print(f"warning: {path} is missing: the resumed run's settings are checked against {checkpoint.name}'s copy",
+        print(f"warning: {path} {why}: the resumed run's settings are checked against {checkpoint.name}'s copy",
               file=sys.stderr)
-        path = checkpoint / "config.yaml"
-    saved = yaml.safe_load(path.read_text()) or {}
-    changed = [f"  {key}: {saved[key]!r} in the run, {cfg[key]!r} now" for key in sorted(set(cfg) & set(saved))
-               if key not in RESUME_FREE_KEYS and _comparable(key, cfg[key]) != _comparable(key, saved[key])]
+        path = copy
+        saved = yaml.safe_load(path.read_text())  # checked with the checkpoint (rlseq.checkpoint.checkpoint_problem)
+    changed = [f"  {key}: {saved.get(key)!r} in the run, {cfg.get(key)!r} now" for key in sorted(set(cfg) | set(saved))
+               if key not in RESUME_FREE_KEYS and _compared(key, cfg, saved)
+               and _comparable(key, cfg.get(key)) != _comparable(key, saved.get(key))]
     for key in RESUME_STATED_KEYS:
         if key in saved and cfg.get(key) != saved[key]:
             print(f"note: {key} was {saved[key]!r} in the run and is {cfg.get(key)!r} from now on", file=sys.stderr)
@@ -87,11 +126,19 @@ def refuse_changed_settings(cfg: dict[str, Any], folder: Path, checkpoint: Path)
                                      "run with another --tag:", *changed]))
 
 
+def _compared(key: str, cfg: dict[str, Any], saved: dict[str, Any]) -> bool:
+    """Whether ``key`` is compared: on both sides, or a mapping or list on the one side that has it."""
+    if key in cfg and key in saved:
+        return True
+    return isinstance(cfg.get(key, saved.get(key)), (dict, list))
+
+
 def _comparable(key: str, value: Any) -> Any:
-    """``value`` without what a resumed run may change inside it: procgen's worker-thread count."""
+    """``value`` without what a resumed run may change inside it (procgen's worker-thread count), a missing or empty
+    mapping or list as None."""
     if key == "env_kwargs" and isinstance(value, dict):
-        return {k: v for k, v in value.items() if k != "num_threads"}
-    return value
+        value = {k: v for k, v in value.items() if k != "num_threads"}
+    return None if isinstance(value, (dict, list)) and not value else value
 
 
 def resumed_env_seed(seed: int, step: int) -> int:
@@ -156,10 +203,14 @@ def _load_reward_statistics(checkpoint: Path, env):
 
 def _adopt_saved_speed_settings(cfg: dict[str, Any], model, args: argparse.Namespace) -> None:
     """On ``--resume`` the checkpoint's amp / fused-Adam / channels-last settings hold (saved in its ``policy_kwargs``);
-    a flag (or ``--fast``) that asks for something else is refused rather than silently ignored."""
+    a flag, ``--fast`` or the ``--config`` file that asks for something else is refused rather than silently ignored."""
+    from rlseq.config import config_file_value
+
     saved = saved_speed_settings(model)
     for key in ("amp", "fused_adam", "channels_last"):
         value, option = asked(args, key)
+        if value is None and config_file_value(args, cfg, key) is not None:
+            value, option = config_file_value(args, cfg, key), f"{args.config}'s {key}"
         if value is not None and (None if value == "none" else value) != saved[key]:
             if option == "--fast":
                 keep = f"--amp {saved[key] or 'none'}" if key == "amp" else \

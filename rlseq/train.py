@@ -49,7 +49,8 @@ from rlseq.config import (  # noqa: F401
     memories,
     resolve,
 )
-from rlseq.resume import _load_checkpoint, _resume_point, refuse_changed_settings, resumed_env_seed  # noqa: F401
+from rlseq.resume import (  # noqa: F401
+    _load_checkpoint, _resume_point, keep_run_budget, refuse_changed_settings, resumed_env_seed)
 from rlseq.threads import add_torch_threads_argument, set_torch_threads
 
 
@@ -143,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=float, default=None, help="env steps between atomic checkpoints")
     p.add_argument("--resume", action="store_true",
                    help="continue the run folder from its newest intact checkpoint (other hyperparameters are refused; "
-                        "--total-steps and --checkpoint-every may change). SIGINT and SIGTERM save a checkpoint at "
+                        "--total-steps and --checkpoint-every may change; without them the run keeps its own). SIGINT and SIGTERM save a checkpoint at "
                         "the next rollout start and print this command")
     p.add_argument("--no-progress-bar", action="store_true",
                    help="no progress lines (the speed after 10 s, the estimate after the second rollout and the "
@@ -243,6 +244,8 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     from rlseq.envs import ScaledReturnLogger
 
     ckpt_root = folder / "checkpoints"
+    if args.resume:
+        keep_run_budget(args, cfg, folder)
     # checked under the lock: no other process can be finishing it
     extending = (folder / "final_model.zip").exists()
     if extending and not _extend_finished_run(args, cfg, folder):

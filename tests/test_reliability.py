@@ -200,6 +200,77 @@ def test_resume_without_config_yaml_checks_the_checkpoints_copy_of_the_settings_
     assert _steps(folder / "final_model.zip") == 64
 
 
+def test_a_checkpoints_settings_zeroed_at_their_size_make_it_unusable(interrupted, capsys):
+    """A power loss can leave a file of the right size full of zeros: the settings a resume checks must load."""
+    path = _folder(interrupted) / "checkpoints" / "step48" / "config.yaml"
+    path.write_bytes(bytes(path.stat().st_size))
+    train_main(_argv(interrupted, 64, "--resume"))
+    out, err = capsys.readouterr()
+    assert f"warning: checkpoint step48 is not usable: {path} is unreadable" in err
+    assert "from step32 (32 env steps done)" in out
+
+
+@pytest.mark.parametrize("content", [b"\x00" * 64, b"- 1\n", b"n_envs: [\n"], ids=["zeros", "a-list", "bad-yaml"])
+def test_an_unreadable_run_config_is_checked_against_the_checkpoints_copy(interrupted, content, capsys):
+    config = _folder(interrupted) / "config.yaml"
+    config.write_bytes(content)
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(interrupted, 64, "--resume", "--n-envs", "8"))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"warning: {config} " in err and "the resumed run's settings are checked against step48's copy" in err
+    assert "error:   n_envs: 2 in the run, 8 now" in err
+    train_main(_argv(interrupted, 64, "--resume"))
+    assert yaml.safe_load(config.read_text())["n_envs"] == 2
+
+
+def _entry(tmp_path: Path, **settings) -> str:
+    path = tmp_path / "entry.yml"
+    path.write_text(yaml.safe_dump({ENV: settings}))
+    return str(path)
+
+
+def test_policy_kwargs_given_or_dropped_on_resume_are_refused(interrupted, tmp_path, capsys):
+    """A run without policy_kwargs resumed with some (or the other way round) is a change, not a key to skip."""
+    config = _folder(interrupted) / "config.yaml"
+    assert "policy_kwargs" not in yaml.safe_load(config.read_text())
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(interrupted, 64, "--resume", "--config", _entry(tmp_path, policy_kwargs={"net_arch": [16]})))
+    assert e.value.code == 2
+    assert "error:   policy_kwargs: None in the run, {'net_arch': [16]} now" in capsys.readouterr().err
+    settings = yaml.safe_load(config.read_text())
+    config.write_text(yaml.safe_dump({**settings, "policy_kwargs": {"net_arch": [16]}}))
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(interrupted, 64, "--resume"))
+    assert e.value.code == 2
+    assert "error:   policy_kwargs: {'net_arch': [16]} in the run, None now" in capsys.readouterr().err
+    config.write_text(yaml.safe_dump({**settings, "policy_kwargs": {}}))  # empty is the same as none
+    train_main(_argv(interrupted, 64, "--resume"))
+    assert _steps(_folder(interrupted) / "final_model.zip") == 64
+
+
+def test_a_resume_without_a_budget_keeps_the_runs_budget_and_checkpoint_interval(interrupted, capsys):
+    folder = _folder(interrupted)
+    settings = yaml.safe_load((folder / "config.yaml").read_text())
+    (folder / "config.yaml").write_text(yaml.safe_dump({**settings, "n_timesteps": 64}))  # as a run of 64 steps
+    argv = [a for i, a in enumerate(BASE) if "--checkpoint-every" not in BASE[max(i - 1, 0):i + 1]]
+    train_main([*argv, "--logdir", str(interrupted), "--resume"])
+    out, err = capsys.readouterr()
+    assert "note: --resume keeps the run's n_timesteps 64 and checkpoint_every 16" in err
+    assert _steps(folder / "final_model.zip") == 64
+    assert _checkpoints(interrupted)[-2:] == ["step48", "step64"]
+    assert yaml.safe_load((folder / "config.yaml").read_text())["n_timesteps"] == 64
+
+
+def test_a_config_file_that_asks_for_other_speed_settings_on_resume_is_refused(interrupted, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(interrupted, 64, "--resume", "--config", _entry(tmp_path, fused_adam=True)))
+    assert e.value.code == 2
+    assert f"the run was trained with fused_adam=False; resume it without {tmp_path / 'entry.yml'}'s fused_adam" \
+        in capsys.readouterr().err
+    assert not (_folder(interrupted) / "final_model.zip").exists()
+
+
 @pytest.mark.parametrize("algo", ["rlseq", "sb3-recurrent-ppo"])
 def test_an_efla_run_saved_before_the_read_norm_default_resumes_as_it_was_trained(algo, tmp_path, monkeypatch):
     """A run whose checkpoints predate ``output_norm=True`` resumes without the norm (stated by a warning), trains on,
