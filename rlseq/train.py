@@ -255,8 +255,7 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     latest = _resume_point(folder) if args.resume else None
     if latest is None:
         _check_cuda_graph_train(args, cfg)  # on --resume resolve() left it to the checkpoint, and there is none
-        env = make_env(cfg, seed=cfg["seed"])
-        model = build_model(cfg, env, device)
+        env, model = _build_fresh(cfg, device)
     else:
         refuse_changed_settings(cfg, folder, latest)
         model, env = _load_checkpoint(latest, cfg, args, device)
@@ -295,6 +294,27 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
               f"{model.num_timesteps:,} env steps in {folder / 'final_model.zip'}", file=sys.stderr, flush=True)
         raise SystemExit(128 + pending[0])
     return folder
+
+
+def _build_fresh(cfg: dict[str, Any], device: str):
+    """``(env, model)`` of a run that starts at step 0. A value inside ``env_kwargs`` or ``policy_kwargs`` that the
+    env or the policy rejects (the config checks only their keys) is one error line naming the mapping."""
+    try:
+        env = make_env(cfg, seed=cfg["seed"])
+    except (TypeError, ValueError) as e:
+        if not cfg.get("env_kwargs"):
+            raise
+        raise UsageError(f"{cfg['env']} could not be made with env_kwargs {cfg['env_kwargs']!r}: "
+                         f"{e.__class__.__name__}: {e}") from e
+    try:
+        return env, build_model(cfg, env, device)
+    except (TypeError, ValueError) as e:
+        env.close()
+        given = {k: cfg[k] for k in ("policy_kwargs", "memory_kwargs") if cfg.get(k)}
+        if not given:
+            raise
+        raise UsageError(f"the model could not be built with {', '.join(f'{k} {v!r}' for k, v in given.items())}: "
+                         f"{e.__class__.__name__}: {e}") from e
 
 
 def _extend_finished_run(args: argparse.Namespace, cfg: dict[str, Any], folder: Path) -> bool:

@@ -262,6 +262,23 @@ def test_a_resume_without_a_budget_keeps_the_runs_budget_and_checkpoint_interval
     assert yaml.safe_load((folder / "config.yaml").read_text())["n_timesteps"] == 64
 
 
+@pytest.mark.parametrize("settings, line", [
+    ({"policy_kwargs": {"net_arch": "foo"}}, "error: the model could not be built with policy_kwargs {'net_arch': 'foo'}: "
+                                             "TypeError"),
+    ({"env_kwargs": {"max_episode_steps": "abc"}}, f"error: {ENV} could not be made with env_kwargs "
+                                                   "{'max_episode_steps': 'abc'}: TypeError"),
+], ids=["policy_kwargs", "env_kwargs"])
+def test_a_bad_value_inside_the_kwargs_is_one_error_line_and_the_run_can_start_after(tmp_path, settings, line, capsys):
+    logdir = tmp_path / "runs"
+    with pytest.raises(SystemExit) as e:
+        train_main(_argv(logdir, 16, "--config", _entry(tmp_path, **settings)))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert line in err and "Traceback" not in err
+    train_main(_argv(logdir, 16))
+    assert _steps(_folder(logdir) / "final_model.zip") == 16
+
+
 def test_a_config_file_that_asks_for_other_speed_settings_on_resume_is_refused(interrupted, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         train_main(_argv(interrupted, 64, "--resume", "--config", _entry(tmp_path, fused_adam=True)))
