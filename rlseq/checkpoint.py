@@ -104,6 +104,7 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 LOCK_NAME = ".lock"
 SETTINGS_NAME = "config.yaml"  # the run's settings, in the run folder and in each checkpoint
+PENDING_LOGS_NAME = "pending_logs.json"  # the logger's records not yet written when the checkpoint was taken
 
 
 class RunFolderBusy(RuntimeError):
@@ -184,6 +185,9 @@ def save_checkpoint(model: BaseAlgorithm, root: Path, keep: int = 2, settings: d
         if venv is not None:
             venv.save(str(tmp / "vecnormalize.pkl"))
         torch.save(rng_state(), tmp / "rng.pt")
+        pending = pending_records(getattr(model, "_logger", None))
+        if pending is not None:
+            (tmp / PENDING_LOGS_NAME).write_text(json.dumps(pending))
         if settings is not None:
             (tmp / SETTINGS_NAME).write_text(yaml.safe_dump(settings, sort_keys=True))
         sizes = {f.name: f.stat().st_size for f in sorted(tmp.iterdir())}
@@ -237,7 +241,8 @@ def checkpoint_problem(folder: Path) -> str | None:
         if (folder / name).stat().st_size != size:
             return f"{folder / name} is unreadable (truncated: {(folder / name).stat().st_size} of {size} bytes)"
     checks = [("model.zip", _check_zip), ("rng.pt", lambda p: torch.load(p, weights_only=False)),
-              ("vecnormalize.pkl", _check_pickle), ("config.yaml", _check_settings)]
+              ("vecnormalize.pkl", _check_pickle), ("config.yaml", _check_settings),
+              (PENDING_LOGS_NAME, lambda p: json.loads(p.read_text()))]
     for name, check in checks:
         path = folder / name
         if not path.exists():
@@ -247,6 +252,35 @@ def checkpoint_problem(folder: Path) -> str | None:
         except Exception as e:  # noqa: BLE001  (any failure to read the file makes the checkpoint unusable)
             return f"{path} is unreadable ({e.__class__.__name__}: {e})"
     return None
+
+
+def pending_records(logger: Any) -> dict[str, Any] | None:
+    """The numbers an SB3 logger holds for its next dump (PPO's ``train/*`` of the update before a checkpoint,
+    written only after the next rollout), as JSON-ready ``{"values", "counts", "excluded"}``; None when there are
+    none. A resumed run restores them (:func:`restore_pending_records`), so its curves lose no update."""
+    values = getattr(logger, "name_to_value", None)
+    if not values:
+        return None
+    numbers = {k: float(v) for k, v in values.items()
+               if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)}
+    if not numbers:
+        return None
+    excluded = getattr(logger, "name_to_excluded", {})
+    return {"values": numbers, "counts": {k: int(logger.name_to_count.get(k, 0)) for k in numbers},
+            "excluded": {k: list(excluded[k]) for k in numbers if k in excluded}}
+
+
+def restore_pending_records(logger: Any, checkpoint: Path) -> None:
+    """Put the records :func:`pending_records` saved with ``checkpoint`` (if any) back into ``logger``."""
+    path = checkpoint / PENDING_LOGS_NAME
+    if not path.is_file():
+        return
+    pending = json.loads(path.read_text())
+    for key, value in pending["values"].items():
+        logger.name_to_value[key] = value
+        logger.name_to_count[key] = pending["counts"].get(key, 0)
+        if key in pending["excluded"]:
+            logger.name_to_excluded[key] = tuple(pending["excluded"][key])
 
 
 def _check_settings(path: Path) -> None:

@@ -240,7 +240,8 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     from stable_baselines3.common.callbacks import CallbackList
 
     from rlseq.callbacks import Progress, closing_summary, tensorboard_logger
-    from rlseq.checkpoint import LOCK_NAME, CheckpointCallback, stop_on_signals, write_text_atomic
+    from rlseq.checkpoint import (LOCK_NAME, CheckpointCallback, restore_pending_records, stop_on_signals,
+                                  write_text_atomic)
     from rlseq.envs import ScaledReturnLogger
 
     ckpt_root = folder / "checkpoints"
@@ -271,6 +272,8 @@ def _train_locked(args: argparse.Namespace, cfg: dict[str, Any], folder: Path, d
     # (all of it when the killed process left no checkpoint)
     purge_step = model.num_timesteps + 1 if latest is not None else (0 if args.resume else None)
     model.set_logger(tensorboard_logger(folder, stdout=bool(args.verbose), purge_step=purge_step))
+    if latest is not None:  # the last update's train/* records: the killed process had not written them yet
+        restore_pending_records(model.logger, latest)
     checkpoints = CheckpointCallback(ckpt_root, cfg["checkpoint_every"], settings=settings)
     callbacks = [ScaledReturnLogger(), checkpoints]
     smaller = (f"python -m rlseq.train --env popgym-RepeatPreviousEasy-v0 --memory {cfg['memory']} (about a "

@@ -874,6 +874,24 @@ def test_a_resumed_run_purges_the_steps_logged_after_its_checkpoint(interrupted)
     assert [s for s in steps if s] == [16, 32, 48, 64]  # one point per rollout of 16 steps, step 48 once
 
 
+def test_a_resumed_run_writes_the_records_of_the_update_before_its_checkpoint(finished, interrupted, tmp_path):
+    """PPO writes an update's train/* records after the next rollout, past the checkpoint taken at its start: the
+    checkpoint keeps them, so the resumed curve has every point an uninterrupted run has, with the same value."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def loss(folder: Path) -> dict[int, float]:
+        acc = EventAccumulator(str(folder))
+        acc.Reload()
+        return {e.step: e.value for e in acc.Scalars("train/loss")}
+
+    train_main(_argv(interrupted, 64, "--resume"))
+    straight = tmp_path / "straight"
+    train_main(_argv(straight, 64))
+    resumed, uninterrupted = loss(_folder(interrupted)), loss(_folder(straight))
+    assert sorted(resumed) == sorted(uninterrupted) and 64 in resumed
+    assert resumed[64] == uninterrupted[64]  # the update at step 48, trained before the checkpoint
+
+
 # --- 7. a resumed run plays new levels / episodes ------------------------------------------------------------
 
 
