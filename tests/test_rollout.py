@@ -317,3 +317,73 @@ def test_a_config_that_asks_for_env_groups_is_refused_by_name(monkeypatch):
                 T.resolve(args)
         else:
             assert "env_groups" not in T.resolve(args)
+
+
+# --- SB3's conventions around the loop ------------------------------------------------------------------------
+
+
+class _LocalsSeen(BaseCallback):
+    """Records which of SB3's PPO locals each hook sees."""
+
+    SB3_STEP = ("actions", "clipped_actions", "values", "log_probs", "obs_tensor", "new_obs", "rewards", "dones", "infos")
+
+    def __init__(self):
+        super().__init__()
+        self.step_missing: set[str] = set()
+        self.end_values = None
+
+    def _on_step(self) -> bool:
+        self.step_missing |= {k for k in self.SB3_STEP if k not in self.locals}
+        assert self.locals["clipped_actions"].shape == (self.model.n_envs,)
+        assert self.locals["values"].shape == (self.model.n_envs,)
+        return True
+
+    def _on_rollout_end(self) -> None:
+        self.end_values = self.locals.get("values")
+
+
+def test_callbacks_see_sb3s_locals():
+    model = _model(make_vec_env("CartPole-v1", n_envs=2, seed=0), n_steps=8)
+    seen = _LocalsSeen()
+    model.learn(16, callback=seen)
+    assert seen.step_missing == set()
+    assert seen.end_values is not None and seen.end_values.shape == (2,)
+
+
+def test_sb3s_checks_speak_of_the_real_batch_size(recwarn):
+    model = _model(make_vec_env("CartPole-v1", n_envs=1, seed=0), n_steps=7)
+    assert model.batch_size == 7
+    assert not [w for w in recwarn if "mini-batch" in str(w.message)]
+    with pytest.raises(ValueError, match=r"a minibatch of 1 sample \(n_envs=4 × n_steps=1 / n_minibatches=4\) cannot "
+                                         "normalise advantages"):
+        MemoryPPO("MlpPolicy", make_vec_env("CartPole-v1", n_envs=4, seed=0), n_steps=1, n_minibatches=4,
+                  device="cpu", policy_kwargs=EFLA)
+
+
+def test_a_model_loads_with_another_env_count(tmp_path):
+    """SB3's load takes an env of another size; the automatic n_minibatches is chosen again for it, a chosen one
+    must divide it."""
+    auto = MemoryPPO("MlpPolicy", make_vec_env("CartPole-v1", n_envs=4, seed=0), n_steps=8, device="cpu",
+                     policy_kwargs=EFLA)
+    assert auto.n_minibatches == 4
+    auto.save(tmp_path / "auto.zip")
+    loaded = MemoryPPO.load(tmp_path / "auto.zip", env=make_vec_env("CartPole-v1", n_envs=6, seed=0), device="cpu")
+    assert (loaded.n_envs, loaded.n_minibatches, loaded.batch_size) == (6, 3, 16)
+    loaded.learn(48)
+    fixed = MemoryPPO("MlpPolicy", make_vec_env("CartPole-v1", n_envs=4, seed=0), n_steps=8, n_minibatches=4,
+                      device="cpu", policy_kwargs=EFLA)
+    fixed.save(tmp_path / "fixed.zip")
+    with pytest.raises(ValueError, match=r"n_minibatches=4 must divide n_envs=6.*load\(\.\.\., n_minibatches=N\)"):
+        MemoryPPO.load(tmp_path / "fixed.zip", env=make_vec_env("CartPole-v1", n_envs=6, seed=0), device="cpu")
+    again = MemoryPPO.load(tmp_path / "fixed.zip", env=make_vec_env("CartPole-v1", n_envs=6, seed=0), device="cpu",
+                           n_minibatches=2)
+    assert again.n_minibatches == 2
+
+
+def test_train_records_the_action_std_of_a_box_policy_and_the_minibatch_a_kl_stop_ends_on():
+    model = _model(make_vec_env("Pendulum-v1", n_envs=2, seed=0), n_steps=8)
+    model.learn(16)
+    assert model.logger.name_to_value["train/std"] == pytest.approx(torch.exp(model.policy.log_std).mean().item())
+    stopped = _model(make_vec_env("CartPole-v1", n_envs=2, seed=0), n_steps=8, target_kl=-1.0)  # stops at once
+    stopped.learn(16)
+    assert "train/value_loss" in stopped.logger.name_to_value and "train/grad_norm" not in stopped.logger.name_to_value

@@ -43,7 +43,9 @@ class MemoryPPO(PPO):
     Same arguments as SB3's :class:`~stable_baselines3.PPO`, except that minibatches are counted in
     environments: ``n_minibatches`` splits the ``n_envs`` sequences of a rollout (``n_envs`` must be
     divisible by it; the default None takes the largest divisor of ``n_envs`` up to 4, so any env count
-    works); ``batch_size`` is derived (``n_envs * n_steps // n_minibatches`` samples). The defaults
+    works, also when ``load`` is given an env of another size); ``batch_size`` is derived (``n_envs * n_steps //
+    n_minibatches`` samples, at least 2 while advantages are normalised). Callbacks see SB3's PPO locals
+    (``actions``, ``clipped_actions``, ``values``, ``log_probs``, ``obs_tensor``, ``new_obs``, ...). The defaults
     (``n_steps=128``, ``n_epochs=4``, ``gamma=0.99``, lr 5e-4, entropy 0.01) suit small vector tasks such as
     POPGym's; Procgen's (256 steps, 8 minibatches, 3 epochs, gamma 0.999) live in ``configs/procgen.yml``.
     The policy's memory is chosen with ``policy_kwargs=dict(memory="efla" | "deltanet" | "gru" | "lstm" | "none",
@@ -144,6 +146,7 @@ class MemoryPPO(PPO):
             raise ValueError(f"cuda_graph_train={cuda_graph_train!r}; valid: None (auto: when it can be used), True, "
                              "False")
         self.n_minibatches = n_minibatches
+        self._auto_minibatches = n_minibatches is None  # then chosen again for another env count (load)
         self._memory_state: torch.Tensor | None = None
         self.cuda_graph = cuda_graph
         self._acting: ActingStep | None = None
@@ -153,27 +156,37 @@ class MemoryPPO(PPO):
         self._train_step: TrainStep | None = None  # the captured minibatch update (cuda_graph_train)
         self._train_graph_warned: set[str] = set()  # the fallback warnings already given
         self.phases = PhaseTimer()  # enable with model.phases.enabled = True (python -m rlseq.bench train)
-        super().__init__(
-            policy, env, learning_rate=learning_rate, n_steps=n_steps, batch_size=2, n_epochs=n_epochs,
-            gamma=gamma, gae_lambda=gae_lambda, clip_range=clip_range, clip_range_vf=clip_range_vf,
-            normalize_advantage=normalize_advantage, ent_coef=ent_coef, vf_coef=vf_coef,
-            max_grad_norm=max_grad_norm, target_kl=target_kl, stats_window_size=stats_window_size,
-            tensorboard_log=tensorboard_log, policy_kwargs=policy_kwargs, verbose=verbose, seed=seed,
-            device=device, _init_setup_model=False,
-        )
+        with warnings.catch_warnings():
+            # the batch size follows from n_minibatches in _setup_model, which checks it; SB3's checks of this
+            # stand-in (a truncated mini-batch) would speak of a batch size that is not the run's
+            warnings.filterwarnings("ignore", message=".*mini-batch size of 2.*")
+            super().__init__(
+                policy, env, learning_rate=learning_rate, n_steps=n_steps, batch_size=2, n_epochs=n_epochs,
+                gamma=gamma, gae_lambda=gae_lambda, clip_range=clip_range, clip_range_vf=clip_range_vf,
+                normalize_advantage=normalize_advantage, ent_coef=ent_coef, vf_coef=vf_coef,
+                max_grad_norm=max_grad_norm, target_kl=target_kl, stats_window_size=stats_window_size,
+                tensorboard_log=tensorboard_log, policy_kwargs=policy_kwargs, verbose=verbose, seed=seed,
+                device=device, _init_setup_model=False,
+            )
         if _init_setup_model:
             self._setup_model()
 
     def _setup_model(self) -> None:
-        if self.n_minibatches is None:
-            # whole sequences per minibatch: up to 4 minibatches, as many as divide the env count evenly
+        if self.n_minibatches is None or (getattr(self, "_auto_minibatches", False)
+                                          and self.n_envs % self.n_minibatches != 0):
+            # whole sequences per minibatch: up to 4 minibatches, as many as divide the env count evenly (chosen
+            # again when a model saved with the automatic choice is loaded with another env count)
             self.n_minibatches = max(d for d in range(1, min(4, self.n_envs) + 1) if self.n_envs % d == 0)
         if self.n_minibatches < 1 or self.n_envs % self.n_minibatches != 0:
             raise ValueError(
                 f"n_minibatches={self.n_minibatches} must divide n_envs={self.n_envs}: a minibatch is a subset of "
-                "environments, each with its whole rollout"
+                "environments, each with its whole rollout (a loaded model: load(..., n_minibatches=N) sets another)"
             )
         self.batch_size = self.n_envs * self.n_steps // self.n_minibatches
+        if self.normalize_advantage and self.batch_size < 2:
+            raise ValueError(f"a minibatch of {self.batch_size} sample (n_envs={self.n_envs} × n_steps={self.n_steps} "
+                             f"/ n_minibatches={self.n_minibatches}) cannot normalise advantages; take more envs or "
+                             "steps, or normalize_advantage=False")
         self._setup_lr_schedule()
         self.set_random_seed(self.seed)
         self.policy = self.policy_class(self.observation_space, self.action_space, self.lr_schedule, **self.policy_kwargs)
@@ -256,6 +269,9 @@ class MemoryPPO(PPO):
         for n_steps in range(n_rollout_steps):
             with phase("act"):
                 step, clipped = self._act(obs, f"acting at env step {self.num_timesteps}", transposer is not None)
+            # SB3's names, for callbacks that read self.locals
+            actions, clipped_actions, values, log_probs, obs_tensor = (step.actions_np, clipped, step.values,  # noqa: F841
+                                                                       step.log_probs, step.obs)
             with phase("env"):
                 venv.step_async(clipped)  # procgen steps on its own threads from here until step_wait
             with phase("buffer"):
@@ -282,6 +298,7 @@ class MemoryPPO(PPO):
         starts = torch.as_tensor(self._last_episode_starts, device=self.device).bool()
         with phase("act"), torch.no_grad():
             last_values = self.policy.predict_values(obs_as_tensor(self._last_obs, self.device), self._memory_state, starts)
+        values = last_values  # noqa: F841  (SB3's name at on_rollout_end)
         with phase("buffer"):
             rollout_buffer.compute_returns_and_advantage(last_values, starts)
         self.policy.memory.check_finite(self._memory_state, where=f"acting, rollout ending at env step {self.num_timesteps}")
@@ -425,9 +442,12 @@ class MemoryPPO(PPO):
             record("train/value_loss", means["value_loss"])
             record("train/clip_fraction", means["clip_fraction"])
             record("train/loss", means["loss"])
-            record("train/grad_norm", means["grad_norm"])
+            if "grad_norm" in means:  # not when target_kl stopped the first minibatch before its update
+                record("train/grad_norm", means["grad_norm"])
         if approx_kl is not None:
             record("train/approx_kl", approx_kl)
+        if hasattr(self.policy, "log_std"):  # a Box action space, as SB3's PPO records it
+            record("train/std", torch.exp(self.policy.log_std).mean().item())
         record("train/explained_variance", self.rollout_buffer.explained_variance())
         record("train/n_updates", self._n_updates, exclude="tensorboard")
         record("train/clip_range", clip_range)
@@ -459,6 +479,8 @@ class MemoryPPO(PPO):
                 if not torch.isfinite(losses["loss"]):
                     self._report_nonfinite_loss(batch, epoch, i, losses)
                 epoch_kl.append(losses["approx_kl"])
+                for name, value in losses.items():  # before the KL check, as SB3 counts the minibatch that stops
+                    stats.setdefault(name, []).append(value.detach())
                 if self.target_kl is not None and losses["approx_kl"].item() > 1.5 * self.target_kl:
                     continue_training = False
                     if self.verbose >= 1:
@@ -470,8 +492,6 @@ class MemoryPPO(PPO):
                 with self.phases("optimizer"):
                     grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.max_grad_norm)
                     self.policy.optimizer.step()
-                for name, value in losses.items():
-                    stats.setdefault(name, []).append(value.detach())
                 stats.setdefault("grad_norm", []).append(grad_norm.detach())
             self._n_updates += 1
             if not continue_training:
