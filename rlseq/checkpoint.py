@@ -241,7 +241,7 @@ def checkpoint_problem(folder: Path) -> str | None:
         if (folder / name).stat().st_size != size:
             return f"{folder / name} is unreadable (truncated: {(folder / name).stat().st_size} of {size} bytes)"
     checks = [("model.zip", _check_zip), ("rng.pt", lambda p: torch.load(p, weights_only=False)),
-              ("vecnormalize.pkl", _check_pickle), ("config.yaml", _check_settings),
+              ("vecnormalize.pkl", _check_pickle), (SETTINGS_NAME, load_settings),
               (PENDING_LOGS_NAME, lambda p: json.loads(p.read_text()))]
     for name, check in checks:
         path = folder / name
@@ -283,14 +283,14 @@ def restore_pending_records(logger: Any, checkpoint: Path) -> None:
             logger.name_to_excluded[key] = tuple(pending["excluded"][key])
 
 
-def _check_settings(path: Path) -> None:
-    """A checkpoint's ``config.yaml`` must load as a mapping: a resume compares the run's settings with it (a file
-    of the right size can still be zeros after a power loss)."""
-    import yaml
-
+def load_settings(path: Path) -> dict[str, Any]:
+    """A ``config.yaml`` (a run folder's or a checkpoint's) as the mapping a resume compares its flags with; raises
+    (``OSError``, ``yaml.YAMLError``, ``ValueError``) for a file that is not one: a file of the right size can still
+    be zeros after a power loss."""
     settings = yaml.safe_load(path.read_text())
     if not isinstance(settings, dict):
-        raise ValueError(f"a {type(settings).__name__}, not a mapping of settings")
+        raise ValueError(f"holds a {type(settings).__name__}, not a mapping of settings")
+    return settings
 
 
 def _meta_shape_problem(meta: Any) -> str | None:

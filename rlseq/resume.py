@@ -52,15 +52,16 @@ RESUME_STATED_KEYS = ("tf32", "compile_extractor")
 
 def _run_settings(path: Path) -> tuple[dict[str, Any] | None, str | None]:
     """A ``config.yaml``'s settings, or None and why it cannot serve (missing, not YAML, not a mapping)."""
+    from rlseq.checkpoint import load_settings
+
     if not path.is_file():
         return None, "is missing"
     try:
-        saved = yaml.safe_load(path.read_text())
+        return load_settings(path), None
+    except ValueError as e:  # a mapping it is not
+        return None, str(e)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
         return None, f"is unreadable ({e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-    if not isinstance(saved, dict):
-        return None, f"holds a {type(saved).__name__}, not a mapping of settings"
-    return saved, None
 
 
 def keep_run_budget(args: argparse.Namespace, cfg: dict[str, Any], folder: Path) -> None:
@@ -101,7 +102,7 @@ def refuse_changed_settings(cfg: dict[str, Any], folder: Path, checkpoint: Path)
         print(f"warning: {path} {why}: the resumed run's settings are checked against {checkpoint.name}'s copy",
               file=sys.stderr)
         path = copy
-        saved = yaml.safe_load(path.read_text())  # checked with the checkpoint (rlseq.checkpoint.checkpoint_problem)
+        saved = yaml.safe_load(path.read_text())  # loads: checkpoint_problem checked it with load_settings
     changed = [f"  {key}: {saved.get(key)!r} in the run, {cfg.get(key)!r} now" for key in sorted(set(cfg) | set(saved))
                if key not in RESUME_FREE_KEYS and _compared(key, cfg, saved)
                and _comparable(key, cfg.get(key)) != _comparable(key, saved.get(key))]
@@ -209,7 +210,7 @@ def _adopt_saved_speed_settings(cfg: dict[str, Any], model, args: argparse.Names
     saved = saved_speed_settings(model)
     for key in ("amp", "fused_adam", "channels_last"):
         value, option = asked(args, key)
-        if value is None and config_file_value(args, cfg, key) is not None:
+        if value is None:
             value, option = config_file_value(args, cfg, key), f"{args.config}'s {key}"
         if value is not None and (None if value == "none" else value) != saved[key]:
             if option == "--fast":

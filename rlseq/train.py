@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=float, default=None, help="env steps between atomic checkpoints")
     p.add_argument("--resume", action="store_true",
                    help="continue the run folder from its newest intact checkpoint (other hyperparameters are refused; "
-                        "--total-steps and --checkpoint-every may change; without them the run keeps its own). SIGINT and SIGTERM save a checkpoint at "
-                        "the next rollout start and print this command")
+                        "--total-steps and --checkpoint-every may change; without them the run keeps its own). SIGINT "
+                        "and SIGTERM save a checkpoint at the next rollout start and print this command")
     p.add_argument("--no-progress-bar", action="store_true",
                    help="no progress lines (the speed after 10 s, the estimate after the second rollout and the "
                         "closing summary are printed still; otherwise a line with the speed, the time left and the "

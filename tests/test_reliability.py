@@ -263,8 +263,8 @@ def test_a_resume_without_a_budget_keeps_the_runs_budget_and_checkpoint_interval
 
 
 @pytest.mark.parametrize("settings, line", [
-    ({"policy_kwargs": {"net_arch": "foo"}}, "error: the model could not be built with policy_kwargs {'net_arch': 'foo'}: "
-                                             "TypeError"),
+    ({"policy_kwargs": {"net_arch": "foo"}},
+     "error: the model could not be built with policy_kwargs {'net_arch': 'foo'}: TypeError"),
     ({"env_kwargs": {"max_episode_steps": "abc"}}, f"error: {ENV} could not be made with env_kwargs "
                                                    "{'max_episode_steps': 'abc'}: TypeError"),
 ], ids=["policy_kwargs", "env_kwargs"])

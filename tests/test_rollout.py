@@ -325,7 +325,8 @@ def test_a_config_that_asks_for_env_groups_is_refused_by_name(monkeypatch):
 class _LocalsSeen(BaseCallback):
     """Records which of SB3's PPO locals each hook sees."""
 
-    SB3_STEP = ("actions", "clipped_actions", "values", "log_probs", "obs_tensor", "new_obs", "rewards", "dones", "infos")
+    SB3_STEP = ("actions", "clipped_actions", "values", "log_probs", "obs_tensor", "new_obs", "rewards", "dones",
+                "infos")
 
     def __init__(self):
         super().__init__()

@@ -86,7 +86,8 @@ def test_stubs_only_the_named_folders_and_keeps_the_record_true(tmp_path):
             assert content[name] == data, name
     listed = {line.rsplit(",", 2)[0]: line.rsplit(",", 2)[1:] for line in record}
     assert listed.pop(f"{DIST}/RECORD") == ["", ""]
-    assert listed == {name: [sha(data), str(len(data))] for name, data in content.items() if not name.endswith("RECORD")}
+    assert listed == {name: [sha(data), str(len(data))] for name, data in content.items()
+                      if not name.endswith("RECORD")}
 
 
 def test_the_slim_wheel_installs(tmp_path):

@@ -270,8 +270,8 @@ class MemoryPPO(PPO):
             with phase("act"):
                 step, clipped = self._act(obs, f"acting at env step {self.num_timesteps}", transposer is not None)
             # SB3's names, for callbacks that read self.locals
-            actions, clipped_actions, values, log_probs, obs_tensor = (step.actions_np, clipped, step.values,  # noqa: F841
-                                                                       step.log_probs, step.obs)
+            actions, clipped_actions, obs_tensor = step.actions_np, clipped, step.obs  # noqa: F841
+            values, log_probs = step.values, step.log_probs  # noqa: F841
             with phase("env"):
                 venv.step_async(clipped)  # procgen steps on its own threads from here until step_wait
             with phase("buffer"):
